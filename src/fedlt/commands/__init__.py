@@ -1,0 +1,1 @@
+"""Sub-commands of the `fedlt` command line, one module each (see fedlt.cli)."""

@@ -1,0 +1,83 @@
+"""fedlt run: one federated long-tailed experiment."""
+from __future__ import annotations
+
+import argparse
+
+NAME = "run"
+HELP = "run one method on one long-tailed federation and print GM, PM and many/medium/few"
+ORDER = 10
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """The run settings, shared by every command that runs experiments. Defaults (None here) come from
+    fedlt.config.RunConfig: the fmnist-lt protocol of BENCHMARKS.md."""
+    p.add_argument("--config", help="TOML file with run settings ([params] table for method parameters)")
+    p.add_argument("--preset", help="named settings: fmnist-lt, fmnist-lt-official, smoke")
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", help="fashion-mnist (default), mnist, cifar10, cifar100, digits, synthetic")
+    g.add_argument("--data-dir", help="folder with the dataset files (else $FEDLT_DATA, then system location)")
+    g.add_argument("--imbalance-ratio", "--rho", type=float, dest="imbalance_ratio",
+                   help="n_max/n_min >= 1 (default 100)")
+    g.add_argument("--lt-profile", choices=["exp", "step"], help="exponential (default) or step imbalance")
+    g.add_argument("--tail-classes", type=int, help="number of tail classes of the step profile (default 3)")
+    g.add_argument("--n-max", type=int, help="samples of the head class (default: all it has)")
+    g.add_argument("--partition", help="dirichlet (default), shards, iid, tau")
+    g.add_argument("--alpha", type=float, help="Dirichlet concentration (default 0.5)")
+    g.add_argument("--shards-per-client", type=int, help="shards per client (default 2)")
+    g.add_argument("--tau", type=float, help="BalanceFL tau-sampling: n_tau = tau * n_min (default 2)")
+    g.add_argument("--min-client-size", type=int, help="Dirichlet: redraw until every client has this many")
+    g.add_argument("--clients", type=int, help="number of clients K (default 20)")
+    g = p.add_argument_group("training")
+    g.add_argument("--method", help="federated method (default fedavg; `fedlt list` shows all)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="method hyper-parameter, repeatable (e.g. --set mu=0.01)")
+    g.add_argument("--model", help="mlp, smallcnn, cnn-mcmahan, resnet8/18/34 (default: per dataset)")
+    g.add_argument("--rounds", type=int, help="communication rounds (default 50)")
+    g.add_argument("--participation", type=float, help="fraction (<= 1) or count (> 1) of clients per round")
+    g.add_argument("--local-epochs", type=int, help="local epochs (default 2)")
+    g.add_argument("--batch-size", type=int, help="local batch size (default 32)")
+    g.add_argument("--lr", type=float, help="local learning rate (default 0.05)")
+    g.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
+    g.add_argument("--weight-decay", type=float, help="weight decay (default 0)")
+    g.add_argument("--seed", type=int, help="the one seed of the run (default 0)")
+    g.add_argument("--device", help="cpu (default) or cuda")
+    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g = p.add_argument_group("evaluation and output")
+    g.add_argument("--eval-every", type=int, help="evaluate every N rounds (default 5)")
+    g.add_argument("--split", choices=["fedloge", "fixed"], help="many/medium/few split (default fedloge)")
+    g.add_argument("--out", help="folder for run directories (default runs/)")
+    g.add_argument("--name", help="run directory name (default: method-dataset-...-timestamp)")
+
+
+def parse_set(items: list[str]) -> dict[str, str]:
+    from ..errors import ConfigError
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def config_from_args(args: argparse.Namespace, **extra):
+    from ..config import FIELDS, load_config
+
+    over = {k: getattr(args, k) for k in FIELDS if k != "params" and getattr(args, k, None) is not None}
+    over.update(extra)
+    over["params"] = parse_set(getattr(args, "set", []))
+    return load_config(getattr(args, "config", None), over)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..experiment import run
+
+    cfg = config_from_args(args)
+    run(cfg, progress=not args.no_progress)
+    return 0

@@ -1,0 +1,142 @@
+"""Run configuration: defaults (the fmnist-lt protocol of BENCHMARKS.md), presets, TOML files and
+command-line overrides, validated before anything is loaded or written."""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclass
+class RunConfig:
+    method: str = "fedavg"
+    params: dict[str, Any] = field(default_factory=dict)  # method hyper-parameters ([params] in TOML, --set)
+    # data
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    imbalance_ratio: float = 100.0
+    lt_profile: str = "exp"  # exp | step
+    tail_classes: int = 3  # step profile only
+    n_max: int | None = None
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    shards_per_client: int = 2
+    tau: float = 2.0
+    min_client_size: int = 0
+    clients: int = 20
+    # model and local training
+    model: str | None = None  # None: the dataset's default
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    # federation
+    participation: float = 0.5  # <= 1: fraction of clients per round; > 1: a count
+    rounds: int = 50
+    eval_every: int = 5
+    split: str = "fedloge"  # many/medium/few split: fedloge | fixed
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = None
+    # output
+    out: str = "runs"
+    name: str | None = None
+    preset: str | None = None
+
+    def partition_kw(self) -> dict:
+        return {"dirichlet": {"alpha": self.alpha, "min_size": self.min_client_size},
+                "shards": {"shards_per_client": self.shards_per_client},
+                "tau": {"tau": self.tau}}.get(self.partition, {})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "fmnist-lt": {},  # the defaults are this protocol
+    "fmnist-lt-official": {"lr": 0.03, "momentum": 0.5, "batch_size": 8, "local_epochs": 5},
+    "smoke": {"dataset": "digits", "imbalance_ratio": 10.0, "clients": 10, "rounds": 20, "eval_every": 5},
+}
+
+FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def _convert(name: str, value: Any) -> Any:
+    """Coerce a TOML or command-line value to the field's type (annotations are strings here)."""
+    kind = {"float": float, "int": int, "str": str}.get(str(FIELDS[name].type).split("|")[0].strip())
+    if value is None or kind is None or (type(value) is kind):
+        return value
+    if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"{name.replace('_', '-')} expects a {kind.__name__}, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name.replace('_', '-')} expects a {kind.__name__}, got {value!r}") from None
+
+
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults <- preset <- TOML file <- overrides (command line). Unknown keys are errors."""
+    values: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            values = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    params = {**values.pop("params", {}), **overrides.pop("params", {})}
+    preset = overrides.get("preset", values.get("preset"))
+    merged: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        merged.update(PRESETS[preset])
+    merged.update(values)
+    merged.update(overrides)
+    for k in merged:
+        if k not in FIELDS or k == "params":
+            raise ConfigError(f"unknown setting {k!r}; see `fedlt run --help`")
+    cfg = RunConfig(**{k: _convert(k, v) for k, v in merged.items()}, params=params)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no data: ranges and names. Raises ConfigError with a one-line message."""
+    from .data.longtail import check_ratio
+    from .registry import DATASETS, METHODS, MODELS, PARTITIONS
+
+    check_ratio(cfg.imbalance_ratio)
+    METHODS.get(cfg.method).make_params(cfg.params)
+    DATASETS.get(cfg.dataset)
+    PARTITIONS.get(cfg.partition)
+    if cfg.model is not None:
+        MODELS.get(cfg.model)
+    if cfg.partition == "dirichlet" and not cfg.alpha > 0:
+        raise ConfigError(f"Dirichlet alpha must be > 0, got {cfg.alpha:g}")
+    checks = [("clients", cfg.clients >= 1, ">= 1"), ("rounds", cfg.rounds >= 1, ">= 1"),
+              ("eval_every", cfg.eval_every >= 1, ">= 1"), ("local_epochs", cfg.local_epochs >= 0, ">= 0"),
+              ("batch_size", cfg.batch_size >= 1, ">= 1"), ("lr", cfg.lr > 0, "> 0"),
+              ("participation", cfg.participation > 0, "> 0 (a fraction <= 1 or a count)"),
+              ("momentum", 0 <= cfg.momentum < 1, "in [0, 1)"), ("weight_decay", cfg.weight_decay >= 0, ">= 0")]
+    for name, ok, what in checks:
+        if not ok:
+            raise ConfigError(f"{name.replace('_', '-')} must be {what}, got {getattr(cfg, name)}")
+    if cfg.participation > 1 and cfg.participation > cfg.clients:
+        raise ConfigError(f"participation {cfg.participation:g} clients per round exceeds the {cfg.clients} clients")
+    if cfg.split not in ("fedloge", "fixed"):
+        raise ConfigError(f"unknown split {cfg.split!r}; choose fedloge or fixed")
+    if cfg.lt_profile not in ("exp", "step"):
+        raise ConfigError(f"unknown lt-profile {cfg.lt_profile!r}; choose exp or step")
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but no CUDA device is available; use --device cpu")

@@ -1,0 +1,220 @@
+"""The method interface: one object with server hooks and client hooks that exchange plain messages.
+
+A method never imports an engine, and an engine never names a method. The simulation engine calls the hooks
+in one process; the Flower engine maps the very same calls onto ServerApp/ClientApp messages. So the only
+things that cross between the two sides are :class:`Message` objects (flat ``str -> Tensor`` arrays plus a
+small dict of numbers/strings/lists), and each side keeps its own state:
+
+server side                                   client side
+-----------                                   -----------
+init_server() -> state                        init_client(cid, data) -> client_state   (never leaves the client)
+configure(state, rnd, cid) -> Message   ==>   local_train(payload, cstate, data, gen) -> (Message, cstate)
+aggregate(state, rnd, [(cid, Message)]) <==
+after the rounds, for each name in ``phases`` (one message to every client and back):
+phase_configure(name, state, cid)       ==>   phase_client(name, payload, cstate, data, gen)
+phase_aggregate(name, state, replies)   <==
+inference:
+global_model(state) -> Predictor | {mode: Predictor}
+eval_payload(state, cid)                ==>   personal_model(payload, cstate, data) -> Predictor | dict | None
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..models import Model, build_model
+
+Meta = dict[str, Any]
+
+
+@dataclass
+class Message:
+    """What crosses between server and client: named arrays and a small dict of plain values."""
+
+    arrays: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: Meta = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return int(sum(t.numel() * t.element_size() for t in self.arrays.values()))
+
+
+@dataclass
+class RunSpec:
+    """What both sides of a method know about the run (the same on every process)."""
+
+    model: str
+    in_shape: tuple[int, int, int]
+    num_classes: int
+    seed: int = 0
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    local_epochs: int = 2
+    rounds: int = 50
+    num_clients: int = 20
+    device: str = "cpu"
+    cache_dir: str | None = None
+
+
+@dataclass
+class Predictor:
+    """An inference path: ``head(backbone(x))``.
+
+    ``shared_backbone`` promises that ``backbone`` computes exactly the global model's features, so the
+    evaluator may compute test features once and reuse them for every client's head.
+    """
+
+    backbone: Callable[[torch.Tensor], torch.Tensor]
+    head: Callable[[torch.Tensor], torch.Tensor]
+    shared_backbone: bool = False
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed from a tuple of non-negative ints (run seed, purpose, round, client, ...)."""
+    return int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(2, np.uint64)[0] >> 1)
+
+
+class Method:
+    """Base class with FedAvg behaviour; a method overrides the hooks it changes.
+
+    Subclasses set ``name``, a ``Params`` dataclass of hyper-parameters (defaults as the paper), and
+    ``personalized`` when they have personal models. ``phases`` names the post-training phases.
+    """
+
+    name: str = "base"
+    personalized: bool = False
+    phases: tuple[str, ...] = ()
+
+    @dataclass
+    class Params:
+        pass
+
+    def __init__(self, spec: RunSpec, params: Any = None):
+        self.spec = spec
+        self.p = params if params is not None else self.Params()
+        self._net: Model | None = None  # client-side working model, reused across clients
+
+    # ---------------------------------------------------------------- hyper-parameters
+    @classmethod
+    def make_params(cls, overrides: dict[str, Any] | None = None):
+        """Params from defaults plus overrides (strings from the command line are converted)."""
+        fields = {f.name: f for f in dataclasses.fields(cls.Params)}
+        values = {}
+        for k, v in (overrides or {}).items():
+            key = k.replace("-", "_")
+            if key not in fields:
+                known = ", ".join(fields) or "none"
+                raise ConfigError(f"method {cls.name} has no parameter {k!r}; its parameters: {known}")
+            default = getattr(cls.Params(), key)
+            values[key] = _coerce(v, default, f"{cls.name}.{k}")
+        return cls.Params(**values)
+
+    # ---------------------------------------------------------------- models
+    def new_model(self) -> Model:
+        """The initial model: identical on every process (seeded by the run seed)."""
+        s = self.spec
+        return build_model(s.model, s.in_shape, s.num_classes, seed=s.seed).to(s.device)
+
+    @property
+    def net(self) -> Model:
+        if self._net is None:
+            self._net = self.new_model()
+        return self._net
+
+    # ---------------------------------------------------------------- server
+    def init_server(self) -> dict:
+        return {"weights": weights_of(self.new_model())}
+
+    def configure(self, state: dict, rnd: int, cid: int) -> Message:
+        return Message(arrays=dict(state["weights"]))
+
+    def aggregate(self, state: dict, rnd: int, replies: list[tuple[int, Message]]) -> dict:
+        from .aggregation import weighted_average
+
+        new = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies])
+        state["weights"] = {**state["weights"], **new}
+        return state
+
+    # ---------------------------------------------------------------- client
+    def init_client(self, cid: int, data) -> dict:
+        return {}
+
+    def local_train(self, payload: Message, cstate: dict, data, gen: torch.Generator) -> tuple[Message, dict]:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- post-training phases
+    def phase_configure(self, phase: str, state: dict, cid: int) -> Message:
+        return self.configure(state, -1, cid)
+
+    def phase_client(self, phase: str, payload: Message, cstate: dict, data, gen) -> tuple[Message, dict]:
+        return Message(), cstate
+
+    def phase_aggregate(self, phase: str, state: dict, replies: list[tuple[int, Message]]) -> dict:
+        return state
+
+    # ---------------------------------------------------------------- inference
+    def global_model(self, state: dict) -> Predictor | dict[str, Predictor]:
+        m = self.eval_model(state["weights"])
+        return Predictor(m.backbone, m.head, shared_backbone=True)
+
+    def eval_payload(self, state: dict, cid: int) -> Message:
+        return self.configure(state, 0, cid)
+
+    def personal_model(self, payload: Message, cstate: dict, data) -> Predictor | dict[str, Predictor] | None:
+        """None: no personal model; PM is then the global model on the client's test set (labelled so)."""
+        return None
+
+    def eval_model(self, weights: dict[str, torch.Tensor]) -> Model:
+        """A server-side evaluation copy of the model loaded with ``weights`` (kept apart from ``net``)."""
+        if getattr(self, "_eval_net", None) is None:
+            self._eval_net = self.new_model()
+        load_weights(self._eval_net, weights)
+        self._eval_net.eval()
+        return self._eval_net
+
+
+# -------------------------------------------------------------------- helpers for methods
+def weights_of(model: nn.Module, keys=None) -> dict[str, torch.Tensor]:
+    """Detached copies of the state-dict entries (all, or those in ``keys``)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if keys is None or k in keys}
+
+
+def load_weights(model: nn.Module, arrays: dict[str, torch.Tensor]) -> None:
+    """Copy the given entries into the model (entries not in the model's state dict are ignored)."""
+    sd = model.state_dict()
+    with torch.no_grad():
+        for k, v in arrays.items():
+            if k in sd:
+                sd[k].copy_(v)
+
+
+def _coerce(v: Any, default: Any, label: str) -> Any:
+    if not isinstance(v, str) or isinstance(default, str) or default is None:
+        if isinstance(default, bool) and not isinstance(v, bool):
+            raise ConfigError(f"{label} must be true or false, got {v!r}")
+        if isinstance(default, float) and isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        return v
+    try:
+        if isinstance(default, bool):
+            if v.lower() in ("1", "true", "yes", "on"):
+                return True
+            if v.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, int):
+            return int(v)
+        if isinstance(default, float):
+            return float(v)
+        if isinstance(default, (tuple, list)):
+            return type(default)(type(default[0])(x) for x in v.split(",")) if default else tuple(v.split(","))
+    except ValueError:
+        raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}") from None
+    return v

@@ -1,0 +1,50 @@
+"""The local training loop and optimiser construction shared by the methods."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .api import RunSpec
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], spec: RunSpec, lr: float | None = None,
+                   momentum: float | None = None, weight_decay: float | None = None) -> torch.optim.Optimizer:
+    """SGD with the run's learning rate, momentum and weight decay (re-created every round, like the papers'
+    code: no optimiser state survives between rounds unless a method keeps it)."""
+    return torch.optim.SGD(
+        [p for p in params if p.requires_grad],
+        lr=spec.lr if lr is None else lr,
+        momentum=spec.momentum if momentum is None else momentum,
+        weight_decay=spec.weight_decay if weight_decay is None else weight_decay,
+    )
+
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def ce_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def train_local(model: nn.Module, data, spec: RunSpec, gen: torch.Generator, loss_fn: LossFn = ce_loss,
+                epochs: int | None = None, optimizer: torch.optim.Optimizer | None = None,
+                params: Iterable[torch.nn.Parameter] | None = None, after_step: Callable[[], None] | None = None
+                ) -> dict[str, float]:
+    """Run ``epochs`` local epochs of mini-batch SGD on ``loss_fn(model, x, y)``. Returns the mean loss and
+    the number of steps."""
+    model.train()
+    opt = optimizer or make_optimizer(params if params is not None else model.parameters(), spec)
+    total, steps = 0.0, 0
+    for x, y in data.batches(spec.batch_size, gen, epochs=spec.local_epochs if epochs is None else epochs):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+        total += float(loss.detach())
+        steps += 1
+    return {"loss": total / max(steps, 1), "steps": steps}

@@ -1,0 +1,225 @@
+"""Datasets, loaded once into in-memory tensors.
+
+Images are kept as uint8 tensors [N, C, H, W] (the synthetic set as float32) plus int64 labels. Batches are
+normalised (and, for CIFAR, augmented) on the fly as whole tensors; see :mod:`fedlt.data.transforms`.
+
+Where files are looked for: ``--data-dir`` first, then ``$FEDLT_DATA``, then the dataset's system location
+(``/usr/share/datasets/fashion-mnist`` for Fashion-MNIST, installed by ``apt-get install dataset-fashion-mnist``).
+Nothing here downloads anything.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, DataError
+from ..registry import DATASETS
+
+
+@dataclass
+class Dataset:
+    name: str
+    x_train: torch.Tensor  # uint8 [N, C, H, W] (float32 for synthetic)
+    y_train: torch.Tensor  # int64 [N]
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    augment: str = "none"  # "none" or "crop-flip" (CIFAR)
+    default_model: str = "smallcnn"
+    class_names: list[str] = field(default_factory=list)
+
+    @property
+    def in_shape(self) -> tuple[int, int, int]:
+        return tuple(self.x_train.shape[1:])  # type: ignore[return-value]
+
+
+def _candidate_dirs(data_dir: str | None, name: str, system: list[str]) -> list[Path]:
+    dirs: list[Path] = []
+    for base in [data_dir, os.environ.get("FEDLT_DATA")]:
+        if base:
+            dirs += [Path(base), Path(base) / name]
+    return dirs + [Path(p) for p in system]
+
+
+def _find(dirs: list[Path], names: list[str]) -> Path | None:
+    for d in dirs:
+        for n in names:
+            if (d / n).is_file():
+                return d / n
+    return None
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+        zero, dtype, ndim = struct.unpack(">HBB", raw[:4])
+        if zero != 0 or dtype != 0x08:
+            raise ValueError("bad magic")
+        shape = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
+        data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+        return data.reshape(shape).copy()
+    except (OSError, ValueError, EOFError, struct.error) as e:
+        raise DataError(f"corrupt idx file {path}: {e}; delete it and re-install or re-copy the dataset") from None
+
+
+def _load_idx_dataset(name, data_dir, system, install_hint, mean, std, num_classes=10) -> Dataset:
+    dirs = _candidate_dirs(data_dir, name, system)
+    parts = {}
+    for key, stem in [("xtr", "train-images-idx3-ubyte"), ("ytr", "train-labels-idx1-ubyte"),
+                      ("xte", "t10k-images-idx3-ubyte"), ("yte", "t10k-labels-idx1-ubyte")]:
+        p = _find(dirs, [stem + ".gz", stem])
+        if p is None:
+            where = ", ".join(str(d) for d in dirs)
+            raise DataError(f"{name}: file {stem}.gz not found in {where}; {install_hint}")
+        parts[key] = _read_idx(p)
+    if len(parts["xtr"]) != len(parts["ytr"]) or len(parts["xte"]) != len(parts["yte"]):
+        raise DataError(f"{name}: image and label files disagree in length; re-install the dataset files")
+    return Dataset(
+        name=name,
+        x_train=torch.from_numpy(parts["xtr"]).unsqueeze(1),
+        y_train=torch.from_numpy(parts["ytr"].astype(np.int64)),
+        x_test=torch.from_numpy(parts["xte"]).unsqueeze(1),
+        y_test=torch.from_numpy(parts["yte"].astype(np.int64)),
+        num_classes=num_classes,
+        mean=mean,
+        std=std,
+    )
+
+
+@DATASETS.register("fashion-mnist")
+def load_fashion_mnist(data_dir: str | None = None, **_) -> Dataset:
+    return _load_idx_dataset(
+        "fashion-mnist", data_dir, ["/usr/share/datasets/fashion-mnist"],
+        "install it with `apt-get install -y dataset-fashion-mnist` or pass --data-dir with the four idx files",
+        mean=(0.2860,), std=(0.3530,),
+    )
+
+
+@DATASETS.register("mnist")
+def load_mnist(data_dir: str | None = None, **_) -> Dataset:
+    return _load_idx_dataset(
+        "mnist", data_dir, [],
+        "pass --data-dir (or set $FEDLT_DATA) to a folder with the four MNIST idx files",
+        mean=(0.1307,), std=(0.3081,),
+    )
+
+
+def _unpickle(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            d = pickle.load(f, encoding="latin1")
+        if not isinstance(d, dict) or "data" not in d:
+            raise ValueError("not a CIFAR batch (no 'data' key)")
+        return d
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError, AttributeError, ImportError) as e:
+        raise DataError(f"corrupt CIFAR batch file {path}: {e}; re-extract the python-version archive") from None
+
+
+def _load_cifar(name: str, data_dir: str | None, folder: str, train_files, test_files, label_key, num_classes):
+    dirs = []
+    for d in _candidate_dirs(data_dir, name, []):
+        dirs += [d / folder, d]
+    base = next((d for d in dirs if all((d / f).is_file() for f in train_files + test_files)), None)
+    if base is None:
+        raise DataError(
+            f"{name}: python-version batch files ({', '.join(train_files + test_files)}) not found under "
+            f"{', '.join(str(d) for d in dirs) or 'no data dir'}; pass --data-dir to the folder that holds {folder}/"
+        )
+
+    def load(files):
+        xs, ys = [], []
+        for f in files:
+            d = _unpickle(base / f)
+            x = np.asarray(d["data"], dtype=np.uint8)
+            if x.ndim != 2 or x.shape[1] != 3072:
+                raise DataError(f"corrupt CIFAR batch file {base / f}: data has shape {x.shape}, expected [N, 3072]")
+            xs.append(x.reshape(-1, 3, 32, 32))
+            ys.append(np.asarray(d[label_key], dtype=np.int64))
+        return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+
+    xtr, ytr = load(train_files)
+    xte, yte = load(test_files)
+    if int(ytr.max()) >= num_classes or int(ytr.min()) < 0:
+        raise DataError(f"{name}: labels outside 0..{num_classes - 1}; is this the right dataset?")
+    return Dataset(
+        name=name, x_train=xtr, y_train=ytr, x_test=xte, y_test=yte, num_classes=num_classes,
+        mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), augment="crop-flip",
+        default_model="resnet8",
+    )
+
+
+@DATASETS.register("cifar10")
+def load_cifar10(data_dir: str | None = None, **_) -> Dataset:
+    return _load_cifar("cifar10", data_dir, "cifar-10-batches-py",
+                       [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], "labels", 10)
+
+
+@DATASETS.register("cifar100")
+def load_cifar100(data_dir: str | None = None, **_) -> Dataset:
+    ds = _load_cifar("cifar100", data_dir, "cifar-100-python", ["train"], ["test"], "fine_labels", 100)
+    ds.mean, ds.std = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+    return ds
+
+
+@DATASETS.register("digits")
+def load_digits(data_dir: str | None = None, seed: int = 0, test_fraction: float = 0.3, **_) -> Dataset:
+    """scikit-learn's bundled 8x8 digits (1,797 images), split into a balanced test set per class."""
+    from sklearn.datasets import load_digits as sk_load
+
+    d = sk_load()
+    x = np.clip(d.images * 16.0, 0, 255).astype(np.uint8)[:, None]  # 0..16 -> 0..255
+    y = d.target.astype(np.int64)
+    rng = np.random.default_rng(12345)  # fixed split, independent of the run seed
+    n_test = int(min(np.bincount(y)) * test_fraction)
+    test_idx = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:n_test] for c in range(10)])
+    mask = np.ones(len(y), bool)
+    mask[test_idx] = False
+    return Dataset(
+        name="digits", x_train=torch.from_numpy(x[mask]), y_train=torch.from_numpy(y[mask]),
+        x_test=torch.from_numpy(x[test_idx]), y_test=torch.from_numpy(y[test_idx]), num_classes=10,
+        mean=(0.30,), std=(0.38,), default_model="smallcnn",
+    )
+
+
+@DATASETS.register("synthetic")
+def load_synthetic(data_dir: str | None = None, num_classes: int = 10, n_per_class: int = 600,
+                   n_test_per_class: int = 100, dim: int = 64, noise: float = 1.0, **_) -> Dataset:
+    """A Gaussian mixture in R^dim, shaped as 1 x 8 x 8 'images' so every model takes it. For tests."""
+    side = int(round(dim ** 0.5))
+    if side * side != dim:
+        raise ConfigError(f"synthetic dim {dim} must be a perfect square (e.g. 64)")
+    g = torch.Generator().manual_seed(2024)
+    means = torch.randn(num_classes, dim, generator=g) * 1.5
+
+    def draw(n):
+        y = torch.arange(num_classes).repeat_interleave(n)
+        x = means[y] + noise * torch.randn(len(y), dim, generator=g)
+        return x.view(-1, 1, side, side).float(), y
+
+    xtr, ytr = draw(n_per_class)
+    xte, yte = draw(n_test_per_class)
+    return Dataset(name="synthetic", x_train=xtr, y_train=ytr, x_test=xte, y_test=yte,
+                   num_classes=num_classes, default_model="mlp")
+
+
+_CACHE: dict[tuple, Dataset] = {}
+
+
+def load_dataset(name: str, data_dir: str | None = None, **kw) -> Dataset:
+    """Load (once per process) a registered dataset by name."""
+    loader = DATASETS.get(name)
+    key = (name, data_dir, tuple(sorted(kw.items())))
+    if key not in _CACHE:
+        _CACHE[key] = loader(data_dir=data_dir, **kw)
+    return _CACHE[key]

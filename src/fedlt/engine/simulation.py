@@ -1,0 +1,152 @@
+"""The in-process simulation engine: drives any method's hooks over a federation, round after round.
+
+Nothing here knows a method by name. Every random choice derives from the run seed: the client-sampling
+stream is drawn up front from its own generator, and each (round, client) training call gets its own torch
+generator, so a run is the same whatever order the clients are visited in (and the Flower engine, which
+visits them in another order, reproduces it).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..core.api import Message, Method, derive_seed
+from ..errors import ConfigError
+from ..metrics import evaluate, headline
+
+SAMPLING, TRAIN, PHASE = 10, 11, 12
+
+
+def sampling_schedule(num_clients: int, per_round: int, rounds: int, seed: int) -> list[list[int]]:
+    """The clients of every round, drawn up front (uniformly without replacement within a round)."""
+    if not 1 <= per_round <= num_clients:
+        raise ConfigError(f"clients per round must be between 1 and {num_clients}, got {per_round}")
+    rng = np.random.default_rng([seed, SAMPLING])
+    return [sorted(rng.choice(num_clients, size=per_round, replace=False).tolist()) for _ in range(rounds)]
+
+
+def clients_per_round(num_clients: int, participation: float) -> int:
+    """participation <= 1 is a fraction of the clients, > 1 a count."""
+    if participation <= 0:
+        raise ConfigError(f"participation must be > 0, got {participation:g}")
+    n = int(round(participation)) if participation > 1 else max(1, int(round(participation * num_clients)))
+    if n > num_clients:
+        raise ConfigError(f"participation {participation:g} asks for {n} clients per round but there are "
+                          f"{num_clients}; use at most {num_clients} or a fraction <= 1")
+    return n
+
+
+def client_generator(seed: int, purpose: int, rnd: int, cid: int) -> torch.Generator:
+    s = derive_seed(seed, purpose, rnd, cid)
+    torch.manual_seed(s)  # methods that draw from the global RNG stay reproducible too
+    return torch.Generator().manual_seed(s)
+
+
+@dataclass
+class EngineConfig:
+    rounds: int = 50
+    participation: float = 0.5
+    eval_every: int = 5
+    seed: int = 0
+    split: str = "fedloge"
+    progress: bool = True
+
+
+class Simulation:
+    """Holds the whole run's state (round, server state, client states) so it can be checkpointed."""
+
+    def __init__(self, method: Method, fed, cfg: EngineConfig, log: Callable[[dict], None] | None = None):
+        self.method, self.fed, self.cfg = method, fed, cfg
+        self.log = log or (lambda rec: None)
+        K = len(fed.clients)
+        self.schedule = sampling_schedule(K, clients_per_round(K, cfg.participation), cfg.rounds, cfg.seed)
+        self.round = 0
+        self.state = method.init_server()
+        self.client_states: dict[int, dict] = {}
+        self.history: list[dict] = []
+        self.after_round: list[Callable[["Simulation"], None]] = []
+
+    def client_state(self, cid: int) -> dict:
+        if cid not in self.client_states:
+            self.client_states[cid] = self.method.init_client(cid, self.fed.clients[cid])
+        return self.client_states[cid]
+
+    def _exchange(self, cids, make_payload, client_call, purpose: int, rnd: int):
+        replies, up, down = [], 0, 0
+        for cid in cids:
+            payload: Message = make_payload(cid)
+            gen = client_generator(self.cfg.seed, purpose, rnd, cid)
+            reply, self.client_states[cid] = client_call(payload, self.client_state(cid), self.fed.clients[cid], gen)
+            replies.append((cid, reply))
+            down += payload.nbytes()
+            up += reply.nbytes()
+        n = max(len(cids), 1)
+        return replies, {"bytes_down_per_client": down / n, "bytes_up_per_client": up / n}
+
+    def train_round(self) -> dict:
+        rnd = self.round + 1
+        cids = self.schedule[rnd - 1]
+        t0 = time.perf_counter()
+        m = self.method
+        replies, comm = self._exchange(cids, lambda c: m.configure(self.state, rnd, c), m.local_train, TRAIN, rnd)
+        self.state = m.aggregate(self.state, rnd, replies)
+        self.round = rnd
+        losses = [r.meta["loss"] for _, r in replies if "loss" in r.meta]
+        return {"round": rnd, "clients": cids, "train_loss": float(np.mean(losses)) if losses else None,
+                "round_time": time.perf_counter() - t0, **comm}
+
+    def run_phase(self, phase: str, index: int = 0) -> dict:
+        m = self.method
+        cids = list(range(len(self.fed.clients)))
+        t0 = time.perf_counter()
+        replies, comm = self._exchange(cids, lambda c: m.phase_configure(phase, self.state, c),
+                                       lambda p, s, d, g: m.phase_client(phase, p, s, d, g), PHASE, index)
+        self.state = m.phase_aggregate(phase, self.state, replies)
+        return {"phase": phase, "time": time.perf_counter() - t0, **comm}
+
+    def evaluate(self) -> dict:
+        for c in range(len(self.fed.clients)):
+            self.client_state(c)
+        t0 = time.perf_counter()
+        ev = evaluate(self.method, self.state, self.client_states, self.fed, self.cfg.split)
+        ev["eval_time"] = time.perf_counter() - t0
+        return ev
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        bar = _progress(cfg.rounds, self.round, cfg.progress)
+        last = {}
+        while self.round < cfg.rounds:
+            rec = self.train_round()
+            if self.round % cfg.eval_every == 0 or self.round == cfg.rounds:
+                ev = self.evaluate()
+                rec["eval"] = ev
+                last = headline(ev)
+            self.history.append(rec)
+            self.log(rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix({k: f"{v:.3f}" for k, v in last.items() if v is not None} |
+                                {"loss": f"{rec['train_loss'] or 0:.3f}"})
+            for hook in self.after_round:
+                hook(self)
+        if bar is not None:
+            bar.close()
+        for i, phase in enumerate(self.method.phases):
+            rec = self.run_phase(phase, i)
+            self.log(rec)
+        final = self.evaluate()
+        self.log({"final": final})
+        return final
+
+
+def _progress(total: int, done: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc="rounds", unit="rnd", dynamic_ncols=True, leave=False)

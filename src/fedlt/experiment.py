@@ -1,0 +1,149 @@
+"""From a RunConfig to a finished run: build data, model spec and method, drive the engine, write the run
+directory (resolved config, partition counts, metrics as JSON lines, summary, final weights).
+
+Everything that can fail on bad input (names, settings, missing or corrupt data) fails in :func:`prepare`,
+before the run directory exists, so nothing is half-written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import RunConfig
+from .core.api import Method, RunSpec
+from .data import Federation, build_federation
+from .engine import EngineConfig, Simulation
+from .metrics import GROUPS
+from .registry import METHODS
+
+
+@dataclass
+class Prepared:
+    cfg: RunConfig
+    fed: Federation
+    method: Method
+    spec: RunSpec
+
+
+def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
+    return RunSpec(model=cfg.model or fed.dataset.default_model, in_shape=fed.in_shape,
+                   num_classes=fed.num_classes, seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum,
+                   weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
+                   rounds=cfg.rounds, num_clients=cfg.clients, device=cfg.device,
+                   cache_dir=os.environ.get("FEDLT_CACHE"))
+
+
+def federation_for(cfg: RunConfig) -> Federation:
+    return build_federation(cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes,
+                            cfg.n_max, cfg.partition, cfg.clients, cfg.seed, cfg.device, cfg.partition_kw())
+
+
+def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    fed = fed or federation_for(cfg)
+    spec = make_spec(cfg, fed)
+    cls = METHODS.get(cfg.method)
+    method = cls(spec, cls.make_params(cfg.params))
+    return Prepared(cfg, fed, method, spec)
+
+
+def run_dir_for(cfg: RunConfig) -> Path:
+    name = cfg.name or (f"{cfg.method}-{cfg.dataset}-rho{cfg.imbalance_ratio:g}-{cfg.partition}"
+                        f"-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Path(cfg.out) / name
+
+
+def mean_last(history: list[dict], n: int = 3) -> dict[str, float | None]:
+    """Mean of the last n evaluations (BENCHMARKS.md: report the mean of the last 3 evaluated rounds), for
+    every global and personal inference mode."""
+    evals = [h["eval"] for h in history if "eval" in h][-n:]
+    out: dict[str, float | None] = {}
+    if not evals:
+        return out
+    for side, prefix in (("global", "GM"), ("personal", "PM")):
+        for mode in evals[-1][side]:
+            for key in ("acc",) + GROUPS:
+                vals = [e[side][mode][key] for e in evals if mode in e[side] and e[side][mode][key] is not None]
+                out[f"{prefix}[{mode}].{key}"] = float(np.mean(vals)) if vals else None
+    return out
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=_jsonable))
+    os.replace(tmp, path)
+
+
+def _jsonable(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | None = None) -> dict:
+    """Run one experiment end to end and return its summary."""
+    pr = prepared or prepare(cfg)
+    fed, method = pr.fed, pr.method
+    out = run_dir_for(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", {**cfg.to_dict(), "model": pr.spec.model,
+                                     "method_params": vars(method.p), "engine": "simulation"})
+    write_json(out / "partition.json", {"train_counts": fed.train_counts, "client_class_counts": fed.counts,
+                                        "client_test_sizes": [len(c.test_y) for c in fed.clients]})
+    echo(fed.summary())
+    metrics = open(out / "metrics.jsonl", "w", buffering=1)
+
+    def log(rec):
+        metrics.write(json.dumps(rec, default=_jsonable) + "\n")
+
+    sim = Simulation(method, fed, EngineConfig(cfg.rounds, cfg.participation, cfg.eval_every, cfg.seed,
+                                               cfg.split, progress), log)
+    t0 = time.perf_counter()
+    final = sim.run()
+    metrics.close()
+    summary = {"run_dir": str(out), "method": cfg.method, "wall_time": time.perf_counter() - t0,
+               "last3": mean_last(sim.history), "final": final,
+               "bytes_per_round_per_client": {
+                   "up": float(np.mean([h["bytes_up_per_client"] for h in sim.history])),
+                   "down": float(np.mean([h["bytes_down_per_client"] for h in sim.history]))}}
+    write_json(out / "summary.json", summary)
+    torch.save({"state": sim.state}, out / "final_state.pt")
+    echo(format_summary(summary))
+    return summary
+
+
+def fmt(v) -> str:
+    return "   -  " if v is None else f"{100 * v:6.2f}"
+
+
+def format_summary(summary: dict) -> str:
+    """A small table: every global mode (GM, many/medium/few) and every personal mode (PM)."""
+    final = summary["final"]
+    lines = [f"== {summary['method']}: final evaluation (after any post-training phase); "
+             f"split={final['split']}  run dir: {summary['run_dir']}",
+             f"{'model':<28} {'acc':>6} {'many':>6} {'medium':>6} {'few':>6}"]
+    for mode, r in final["global"].items():
+        lines.append(f"{'GM ' + mode:<28} {fmt(r['acc'])} {fmt(r['many'])} {fmt(r['medium'])} {fmt(r['few'])}")
+    for mode, r in final["personal"].items():
+        label = f"PM {mode}" + (" (global model)" if r["source"] == "global" else "")
+        lines.append(f"{label:<28} {fmt(r['acc'])} {fmt(r['many'])} {fmt(r['medium'])} {fmt(r['few'])}"
+                     f"   clients: std {100 * r['std']:.2f}, min {100 * r['min']:.2f}, max {100 * r['max']:.2f}")
+    last3 = {k: v for k, v in summary["last3"].items() if k.endswith(".acc")}
+    if last3:
+        lines.append("mean of the last 3 evaluated rounds: " +
+                     ", ".join(f"{k[:-4]} {fmt(v).strip()}" for k, v in last3.items()))
+    b = summary["bytes_per_round_per_client"]
+    lines.append(f"communication per client per round: up {b['up'] / 1e6:.3f} MB, down {b['down'] / 1e6:.3f} MB; "
+                 f"wall time {summary['wall_time']:.1f} s")
+    return "\n".join(lines)

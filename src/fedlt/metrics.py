@@ -1,0 +1,136 @@
+"""GM and PM accuracy, per class and split into many / medium / few classes.
+
+GM: a global model on the balanced test set. PM: mean over clients of each client's personalized model on
+its own test set (drawn with the client's training label distribution). A method without personal models is
+evaluated for PM with its global model on the same per-client sets, and the record says so.
+
+Two ways to split classes into many / medium / few:
+- ``fedloge`` (default, the FedLoGe code's ``shot_split``): sort classes by training count, descending; "many"
+  are the classes up to and including the one where the cumulative share of samples crosses 75 %, "medium"
+  up to the one crossing 95 %, "few" the rest.
+- ``fixed``: many > 100 training samples, few < 20, medium in between (the usual LT thresholds).
+For PM the ``fedloge`` split is computed per client from the client's own counts (as the official code
+does) and each group is averaged over the clients that have it; ``fixed`` uses the global counts.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+GROUPS = ("many", "medium", "few")
+
+
+def shot_split(counts, mode: str = "fedloge", cuts=(0.75, 0.95), thresholds=(100, 20)) -> dict[str, np.ndarray]:
+    counts = np.asarray(counts, dtype=np.float64)
+    if mode == "fedloge":
+        order = np.argsort(-counts, kind="stable")
+        order = order[counts[order] > 0]
+        share = np.cumsum(counts[order]) / max(counts.sum(), 1)
+        a = int(np.searchsorted(share, cuts[0] - 1e-12)) + 1  # include the class crossing the cut
+        b = int(np.searchsorted(share, cuts[1] - 1e-12)) + 1
+        return {"many": order[:a], "medium": order[a:b], "few": order[b:]}
+    if mode == "fixed":
+        hi, lo = thresholds
+        c = np.arange(len(counts))
+        return {"many": c[counts > hi], "medium": c[(counts <= hi) & (counts >= lo)], "few": c[counts < lo]}
+    raise ConfigError(f"unknown shot split {mode!r}; choose fedloge or fixed")
+
+
+def report(pred: torch.Tensor, y: torch.Tensor, num_classes: int, split: dict[str, np.ndarray]) -> dict:
+    """Accuracy, per-class accuracy and group accuracies (correct / total within each group)."""
+    pred, y = pred.cpu(), y.cpu()
+    correct = torch.bincount(y[pred == y], minlength=num_classes).numpy()
+    total = torch.bincount(y, minlength=num_classes).numpy()
+    out = {"acc": float(correct.sum() / max(total.sum(), 1)),
+           "per_class": [float(c / t) if t else None for c, t in zip(correct, total)]}
+    for g in GROUPS:
+        cls = split[g]
+        t = total[cls].sum() if len(cls) else 0
+        out[g] = float(correct[cls].sum() / t) if t else None
+    return out
+
+
+@torch.no_grad()
+def features(backbone: Callable, batches) -> tuple[torch.Tensor, torch.Tensor]:
+    fs, ys = [], []
+    if hasattr(backbone, "eval"):
+        backbone.eval()
+    for x, y in batches:
+        fs.append(backbone(x))
+        ys.append(y)
+    if not fs:
+        return torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    return torch.cat(fs), torch.cat(ys)
+
+
+@torch.no_grad()
+def head_predict(head: Callable, feats: torch.Tensor) -> torch.Tensor:
+    if hasattr(head, "eval"):
+        head.eval()
+    return head(feats).argmax(1) if len(feats) else torch.zeros(0, dtype=torch.long)
+
+
+def as_modes(p, default: str) -> dict:
+    return p if isinstance(p, dict) else {default: p}
+
+
+def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "fedloge",
+             personal: bool = True) -> dict:
+    """One evaluation: every global inference mode on the balanced test set, and every personal mode on each
+    client's own test set. Backbone features are computed once per distinct backbone and reused for heads."""
+    C = fed.num_classes
+    gsplit = shot_split(fed.train_counts, split_mode)
+    gmodes = as_modes(method.global_model(state), "global")
+    out: dict = {"global": {}, "personal": {}, "split": split_mode,
+                 "split_classes": {g: gsplit[g].tolist() for g in GROUPS}}
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    shared = None
+    for mode, pred in gmodes.items():
+        key = id(pred.backbone)
+        if key not in cache:
+            cache[key] = features(pred.backbone, fed.test_batches())
+        f, y = cache[key]
+        if pred.shared_backbone and shared is None:
+            shared = (f, y)
+        out["global"][mode] = report(head_predict(pred.head, f), y, C, gsplit)
+    if not personal:
+        return out
+    main_global = next(iter(gmodes.values()))
+    per_mode: dict[str, list] = {}
+    source = "personal"
+    for c in fed.clients:
+        if len(c.test_y) == 0:
+            continue
+        pp = method.personal_model(method.eval_payload(state, c.client_id), client_states.get(c.client_id, {}), c)
+        if pp is None:
+            pp, source = {"global": main_global}, "global"
+        csplit = shot_split(c.counts, "fedloge") if split_mode == "fedloge" else gsplit
+        for mode, pred in as_modes(pp, "personal").items():
+            if pred.shared_backbone and shared is not None:
+                idx = torch.from_numpy(c.test_index)
+                f, y = shared[0][idx], shared[1][idx]
+            else:
+                f, y = features(pred.backbone, c.test_batches())
+            per_mode.setdefault(mode, []).append(report(head_predict(pred.head, f), y, C, csplit))
+    for mode, reps in per_mode.items():
+        accs = np.array([r["acc"] for r in reps])
+        agg = {"acc": float(accs.mean()), "std": float(accs.std()), "min": float(accs.min()),
+               "max": float(accs.max()), "per_client": accs.round(4).tolist(), "source": source}
+        for g in GROUPS:
+            vals = [r[g] for r in reps if r[g] is not None]
+            agg[g] = float(np.mean(vals)) if vals else None
+        out["personal"][mode] = agg
+    return out
+
+
+def headline(ev: dict) -> dict[str, float | None]:
+    """The main numbers of an evaluation: GM (first global mode), its groups, PM (first personal mode)."""
+    g = next(iter(ev["global"].values()))
+    res = {"GM": g["acc"], "many": g["many"], "medium": g["medium"], "few": g["few"]}
+    if ev["personal"]:
+        res["PM"] = next(iter(ev["personal"].values()))["acc"]
+    return res

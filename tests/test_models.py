@@ -1,0 +1,123 @@
+import pytest
+import torch
+from torch import nn
+
+torch.set_num_threads(1)
+
+from fedlt.errors import ConfigError  # noqa: E402
+from fedlt.models import (  # noqa: E402
+    Model,
+    backbone_keys,
+    bn_keys,
+    build_model,
+    head_keys,
+    module_param_names,
+)
+
+SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
+SMALL = ["mlp", "smallcnn", "cnn-mcmahan"]
+FEATURE_DIM = {"mlp": 200, "smallcnn": 128, "cnn-mcmahan": 512, "resnet8": 256, "resnet18": 512, "resnet34": 512}
+
+
+@pytest.mark.parametrize("name", SMALL)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_small_models_shapes(name, shape):
+    m = build_model(name, shape, num_classes=10, seed=0)
+    assert isinstance(m, Model)
+    x = torch.randn(4, *shape)
+    assert m.feature_dim == FEATURE_DIM[name] == m.backbone.feature_dim
+    assert m.num_classes == 10
+    with torch.no_grad():
+        f = m.features(x)
+        y = m(x)
+    assert f.shape == (4, FEATURE_DIM[name])
+    assert y.shape == (4, 10)
+    assert torch.allclose(m.head(f), y)
+    assert isinstance(m.head, nn.Linear) and m.head.bias is not None
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_resnet8_shapes(shape):
+    m = build_model("resnet8", shape, num_classes=7, seed=0)
+    with torch.no_grad():
+        y = m(torch.randn(2, *shape))
+        f = m.features(torch.randn(2, *shape))
+    assert y.shape == (2, 7) and f.shape == (2, 256)
+
+
+def test_resnet18_shapes():
+    for shape in [(1, 8, 8), (3, 32, 32)]:
+        m = build_model("resnet18", shape, num_classes=5, seed=0)
+        with torch.no_grad():
+            assert m(torch.randn(2, *shape)).shape == (2, 5)
+        assert m.feature_dim == 512
+
+
+def test_resnet34_single_forward():
+    m = build_model("resnet34", (3, 32, 32), num_classes=100, seed=0).eval()
+    with torch.no_grad():
+        assert m(torch.randn(2, 3, 32, 32)).shape == (2, 100)
+    assert m.feature_dim == 512
+
+
+def test_mcmahan_param_count():
+    # McMahan et al. (2017): the MNIST CNN has 1,663,370 parameters.
+    m = build_model("cnn-mcmahan", (1, 28, 28), num_classes=10, seed=0)
+    assert sum(p.numel() for p in m.parameters()) == 1_663_370
+
+
+@pytest.mark.parametrize("name", ["smallcnn", "resnet8"])
+def test_seed_determinism(name):
+    a = build_model(name, (3, 32, 32), 10, seed=123).state_dict()
+    b = build_model(name, (3, 32, 32), 10, seed=123).state_dict()
+    c = build_model(name, (3, 32, 32), 10, seed=124).state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point())
+    # the head too, not only the backbone
+    assert not torch.equal(a["head.weight"], c["head.weight"])
+
+
+def test_global_rng_untouched():
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    build_model("smallcnn", (1, 28, 28), 10, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    build_model("mlp", (1, 8, 8), 10, seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_bn_keys_by_type():
+    m = build_model("resnet8", (3, 32, 32), 10, seed=0)
+    keys = bn_keys(m)
+    assert keys == module_param_names(m, nn.BatchNorm2d)
+    assert keys == module_param_names(m, (nn.BatchNorm1d, nn.BatchNorm2d))
+    sd = m.state_dict()
+    assert keys <= set(sd)
+    suffixes = {k.rsplit(".", 1)[1] for k in keys}
+    assert suffixes == {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+    n_bn = sum(isinstance(mod, nn.BatchNorm2d) for mod in m.modules())
+    assert len(keys) == 5 * n_bn
+    # no conv or head weight sneaks in
+    assert not any(k.startswith("head.") for k in keys)
+    conv_w = {f"{n}.weight" for n, mod in m.named_modules() if isinstance(mod, nn.Conv2d)}
+    assert not (keys & conv_w)
+    # a model without BN has none
+    assert bn_keys(build_model("smallcnn", (1, 8, 8), 10, seed=0)) == set()
+
+
+def test_head_and_backbone_keys():
+    m = build_model("smallcnn", (1, 28, 28), 10, seed=0)
+    hk = head_keys(m)
+    assert hk == {"head.weight", "head.bias"}
+    assert hk == {f"head.{k}" for k in m.head.state_dict()}
+    bk = backbone_keys(m)
+    assert bk | hk == set(m.state_dict()) and not (bk & hk)
+    assert module_param_names(m, nn.Linear) >= hk
+
+
+def test_unknown_model():
+    with pytest.raises(ConfigError, match="unknown model"):
+        build_model("resnet9000", (3, 32, 32), 10, seed=0)
