@@ -171,6 +171,20 @@ class Method:
         """None: no personal model; PM is then the global model on the client's test set (labelled so)."""
         return None
 
+    # ---------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """State kept on the method *instance* that a checkpoint needs for an exact resume (the engine saves
+        the round, the server state, the client states and the RNG states itself). Default: the client-side
+        working model ``net`` (a hook that does not reload every entry would otherwise see other values after
+        a restart). A method that caches anything else across rounds on ``self`` overrides this (calling
+        super) -- better still, keep such things in the server state or the client states."""
+        return {"net": weights_of(self._net)} if self._net is not None else {}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if "net" in d:
+            load_weights(self.net, d["net"])
+
     def eval_model(self, weights: dict[str, torch.Tensor]) -> Model:
         """A server-side evaluation copy of the model loaded with ``weights`` (kept apart from ``net``)."""
         if getattr(self, "_eval_net", None) is None:

@@ -7,6 +7,7 @@ visits them in another order, reproduces it).
 """
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -46,6 +47,22 @@ def client_generator(seed: int, purpose: int, rnd: int, cid: int) -> torch.Gener
     return torch.Generator().manual_seed(s)
 
 
+def rng_state() -> dict:
+    """The global RNG states (torch CPU and CUDA, numpy, python), for checkpoints."""
+    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(d: dict) -> None:
+    torch.set_rng_state(d["torch"])
+    np.random.set_state(d["numpy"])
+    random.setstate(d["python"])
+    if "cuda" in d and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(d["cuda"])
+
+
 @dataclass
 class EngineConfig:
     rounds: int = 50
@@ -69,6 +86,25 @@ class Simulation:
         self.client_states: dict[int, dict] = {}
         self.history: list[dict] = []
         self.after_round: list[Callable[["Simulation"], None]] = []
+
+    # ---------------------------------------------------------------- checkpoint / resume
+    def state_dict(self) -> dict:
+        """Everything that decides the rest of the run: the round, the server state, every client's state,
+        the method instance's own state (Method.state_dict), the history and the global RNG states. The
+        sampling schedule and the per-(round, client) generators derive from the seed, so they need no saving.
+        The dict refers to live objects: serialise it at once (torch.save)."""
+        return {"round": self.round, "state": self.state, "client_states": self.client_states,
+                "history": self.history, "method": self.method.state_dict(), "rng": rng_state()}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Continue from a :meth:`state_dict`; ``run()`` then goes on with round ``d["round"] + 1``."""
+        if d["round"] > self.cfg.rounds:
+            raise ConfigError(f"checkpoint is at round {d['round']} but the run has only {self.cfg.rounds} rounds")
+        self.round, self.state = int(d["round"]), d["state"]
+        self.client_states = dict(d["client_states"])
+        self.history = list(d["history"])
+        self.method.load_state_dict(d.get("method", {}))
+        set_rng_state(d["rng"])
 
     def client_state(self, cid: int) -> dict:
         if cid not in self.client_states:
