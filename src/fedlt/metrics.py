@@ -2,7 +2,8 @@
 
 GM: a global model on the balanced test set. PM: mean over clients of each client's personalized model on
 its own test set (drawn with the client's training label distribution). A method without personal models is
-evaluated for PM with its global model on the same per-client sets, and the record says so.
+evaluated for PM with its global model on the same per-client sets, and the record says so. A method without
+a generic model (``global_model`` returns None: FedPer, FedRep, local-only training) has no GM entry.
 
 Two ways to split classes into many / medium / few:
 - ``fedloge`` (default, the FedLoGe code's ``shot_split``): sort classes by training count, descending; "many"
@@ -84,7 +85,8 @@ def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "f
     client's own test set. Backbone features are computed once per distinct backbone and reused for heads."""
     C = fed.num_classes
     gsplit = shot_split(fed.train_counts, split_mode)
-    gmodes = as_modes(method.global_model(state), "global")
+    gm = method.global_model(state)  # None: the method has no generic model (FedPer, FedRep, Local)
+    gmodes = as_modes(gm, "global") if gm is not None else {}
     out: dict = {"global": {}, "personal": {}, "split": split_mode,
                  "split_classes": {g: gsplit[g].tolist() for g in GROUPS}}
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -99,7 +101,7 @@ def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "f
         out["global"][mode] = report(head_predict(pred.head, f), y, C, gsplit)
     if not personal:
         return out
-    main_global = next(iter(gmodes.values()))
+    main_global = next(iter(gmodes.values()), None)
     per_mode: dict[str, list] = {}
     source = "personal"
     for c in fed.clients:
@@ -107,6 +109,8 @@ def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "f
             continue
         pp = method.personal_model(method.eval_payload(state, c.client_id), client_states.get(c.client_id, {}), c)
         if pp is None:
+            if main_global is None:
+                raise ValueError(f"method {method.name} has neither a global nor a personal model")
             pp, source = {"global": main_global}, "global"
         csplit = shot_split(c.counts, "fedloge") if split_mode == "fedloge" else gsplit
         for mode, pred in as_modes(pp, "personal").items():
@@ -129,8 +133,9 @@ def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "f
 
 def headline(ev: dict) -> dict[str, float | None]:
     """The main numbers of an evaluation: GM (first global mode), its groups, PM (first personal mode)."""
-    g = next(iter(ev["global"].values()))
-    res = {"GM": g["acc"], "many": g["many"], "medium": g["medium"], "few": g["few"]}
+    g = next(iter(ev["global"].values()), None)
+    res = {"GM": g["acc"], "many": g["many"], "medium": g["medium"], "few": g["few"]} if g else \
+        {"GM": None, "many": None, "medium": None, "few": None}  # a method without a generic model
     if ev["personal"]:
         res["PM"] = next(iter(ev["personal"].values()))["acc"]
     return res
