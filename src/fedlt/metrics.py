@@ -79,6 +79,42 @@ def as_modes(p, default: str) -> dict:
     return p if isinstance(p, dict) else {default: p}
 
 
+def client_split(counts, split_mode: str, gsplit: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A client's many/medium/few split for PM: from its own counts (``fedloge``) or the global one."""
+    return shot_split(counts, "fedloge") if split_mode == "fedloge" else gsplit
+
+
+def client_reports(pp, client, num_classes: int, csplit: dict[str, np.ndarray], shared=None) -> dict[str, dict]:
+    """One client's :func:`report` for every personal inference mode of ``pp`` on its own test set.
+    ``shared``: the global backbone's test-set features (reused by heads with ``shared_backbone``). The Flower
+    engine calls this on the client itself."""
+    out = {}
+    for mode, pred in as_modes(pp, "personal").items():
+        if pred.shared_backbone and shared is not None:
+            idx = torch.from_numpy(client.test_index)
+            f, y = shared[0][idx], shared[1][idx]
+        else:
+            f, y = features(pred.backbone, client.test_batches())
+        out[mode] = report(head_predict(pred.head, f), y, num_classes, csplit)
+    return out
+
+
+def summarize_personal(per_mode: dict[str, list[dict]], source: str) -> dict[str, dict]:
+    """PM of every personal mode from the clients' reports: mean/std/min/max accuracy over clients, and each
+    group averaged over the clients that have it. ``source``: "personal", or "global" when clients had no
+    personal model and were evaluated with the global one."""
+    out = {}
+    for mode, reps in per_mode.items():
+        accs = np.array([r["acc"] for r in reps])
+        agg = {"acc": float(accs.mean()), "std": float(accs.std()), "min": float(accs.min()),
+               "max": float(accs.max()), "per_client": accs.round(4).tolist(), "source": source}
+        for g in GROUPS:
+            vals = [r[g] for r in reps if r[g] is not None]
+            agg[g] = float(np.mean(vals)) if vals else None
+        out[mode] = agg
+    return out
+
+
 def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "fedloge",
              personal: bool = True) -> dict:
     """One evaluation: every global inference mode on the balanced test set, and every personal mode on each
@@ -112,22 +148,9 @@ def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "f
             if main_global is None:
                 raise ValueError(f"method {method.name} has neither a global nor a personal model")
             pp, source = {"global": main_global}, "global"
-        csplit = shot_split(c.counts, "fedloge") if split_mode == "fedloge" else gsplit
-        for mode, pred in as_modes(pp, "personal").items():
-            if pred.shared_backbone and shared is not None:
-                idx = torch.from_numpy(c.test_index)
-                f, y = shared[0][idx], shared[1][idx]
-            else:
-                f, y = features(pred.backbone, c.test_batches())
-            per_mode.setdefault(mode, []).append(report(head_predict(pred.head, f), y, C, csplit))
-    for mode, reps in per_mode.items():
-        accs = np.array([r["acc"] for r in reps])
-        agg = {"acc": float(accs.mean()), "std": float(accs.std()), "min": float(accs.min()),
-               "max": float(accs.max()), "per_client": accs.round(4).tolist(), "source": source}
-        for g in GROUPS:
-            vals = [r[g] for r in reps if r[g] is not None]
-            agg[g] = float(np.mean(vals)) if vals else None
-        out["personal"][mode] = agg
+        for mode, rep in client_reports(pp, c, C, client_split(c.counts, split_mode, gsplit), shared).items():
+            per_mode.setdefault(mode, []).append(rep)
+    out["personal"] = summarize_personal(per_mode, source)
     return out
 
 
