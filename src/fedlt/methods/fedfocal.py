@@ -1,0 +1,39 @@
+"""Fed-Focal (Sarkar, Narang & Rai, FL-IJCAI'20 workshop, arXiv 2011.06283): FedAvg with the focal loss of
+Lin et al. (2017) in local training.
+
+Client: E local epochs of SGD on mean_i -(1 - p_{y_i})^gamma log p_{y_i}, gamma = 2 (``core.losses.focal_loss``):
+  well-classified examples (p_y near 1) are down-weighted, so the hard ones -- often of rare classes -- weigh
+  more. gamma = 0 is plain cross-entropy.
+Server: FedAvg (sample-weighted). Inference: the global model.
+
+Paper vs. public code (shared/reference/baseline-methods.md A7): this is "Fed-Focal (gamma = 2, no alpha, no
+sampling)", as the public ports (RedGrape's repo, the Ratio-Loss repo) implement it. The focal loss's class
+weights alpha are 1, and the paper's loss-aware client-sampling scheme is not implemented (the engine draws the
+client schedule up front, independent of the method, so every method of a comparison trains the same clients).
+The RedGrape port adds 1e-6 inside the log; here log p is computed by log_softmax, which needs no epsilon.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.losses import focal_loss
+from ..errors import ConfigError
+from ..registry import METHODS
+from .bsm import LocalLossFedAvg
+
+
+@METHODS.register("fedfocal")
+class FedFocal(LocalLossFedAvg):
+    name = "fedfocal"
+
+    @dataclass
+    class Params:
+        gamma: float = 2.0  # focusing parameter (0: cross-entropy)
+
+    def __init__(self, spec, params=None):
+        super().__init__(spec, params)
+        if self.p.gamma < 0:
+            raise ConfigError(f"fedfocal: gamma must be >= 0, got {self.p.gamma}; the default is --set gamma=2")
+
+    def local_loss(self, logits, y, data):
+        return focal_loss(logits, y, self.p.gamma)
