@@ -1,0 +1,385 @@
+"""FedLoGe (Xiao et al., ICLR 2024): "FedLoGe: Joint Local and Generic Federated Learning under Long-tailed Data".
+
+One shared backbone f_theta, trained through a frozen classifier (SSE-C), plus two trained heads on *detached*
+features: a global auxiliary head psi (aggregated) and one local head phi_k per client (never leaves it). After
+training, the heads are realigned by their norms: GA-FR for the global model, LA-FR for each personal model.
+
+Algorithm 1 (stage numbers as in the paper)
+-------------------------------------------
+stage 1, server   build psi_SSE-C (Eq. 2-5, ``fedlt.core.etf``); every round send {theta, psi} to the sampled
+                  clients; theta, psi <- sample-weighted mean of the replies (FedAvg over every state-dict entry).
+stage 1, client   for each local epoch, for each mini-batch (x, y):
+                      h = f_theta(x)
+                      theta <- theta - eta grad_theta CE(psi_SSE-C(h), y)          (SSE-C frozen)
+                      psi   <- psi   - eta grad_psi   CE(psi(h.detach()), y)
+                      phi_k <- phi_k - eta grad_phi   CE(phi_k(h.detach()), y)
+                  (one backward of the sum of the three losses: the detach keeps the gradients apart, so this
+                  is exactly three optimisers stepping on the same forward pass, as the official code does.)
+                  reply {theta, psi}; phi_k stays in the client state.
+stage 2, server   GA-FR (Eq. 6):  psi'_c = psi_c / ||psi_c||                       -> the "generic" head
+stage 3, client   LA-FR (Eq. 7):  phi'_{k,c} = psi_c * ||phi_{k,c}||                -> the "realigned" head
+                  then (Alg. 1 line 12, App. A.5) optionally ``finetune_epochs`` of CE on the realigned head alone,
+                  over detached features of the local data (default 0, as the released code).
+inference         universal     logits = psi_SSE-C(f_theta(x))                         (GM; official README)
+                  generic       logits = GA-FR(psi)(f_theta(x))                         (GM)
+                  personalized  logits = phi_k(h) + realigned_k(h), classes absent from the client's *training*
+                                data set to -inf                                         (PM; official code)
+                  Extra modes, labelled: "psi" (the aggregated aux head before GA-FR), "phi+psi" (the PM the
+                  official code logs every round: phi_k(h) + psi(h), masked), "phi" (local head alone, masked).
+                  Before the phases have run, per-round evaluations report universal/psi and phi+psi/phi, and,
+                  with ``preview`` (default on), "generic-preview" / "personalized-preview": GA-FR / LA-FR applied
+                  to the current heads (what the phases would give if training stopped here; identical to the
+                  phases when finetune_epochs = 0), so the last-3-evaluations protocol has them too.
+
+The fixed classifier is a pure function of (kind, d, C, beta, seed, options): both sides derive it from the run
+seed through the disk cache of ``fedlt.core.etf`` (0 bytes on the wire). With ``send_fixed=true`` the server
+instead ships it once to each client in its first training message (C*d*4 bytes, plus C*4 with a bias) and the
+client keeps it in its state; either way it is the same tensor, bit for bit, and it is never trained.
+
+Paper vs. official code (shared/reference/fedloge-official-code.md, sections 2, 3, 5, 10)
+---------------------------------------------------------------------------------------
+=========================  ===========================================  ============================================
+                           paper (default)                              official code (option)
+=========================  ===========================================  ============================================
+SSE-C norm target gamma    1.0 (sensitivity section)                    0.1 (``sse_variant=official`` or gamma=0.1;
+                                                                        the code's "tau" is this gamma)
+SSE-C bias                 none                                         frozen random bias (``fixed_bias=true``)
+GA-FR                      psi_c / ||psi_c||, no bias (Eq. 6)           1.7 psi_c / ||psi_c|| + b_psi
+                                                                        (``realign=official``; 1.7 matters only
+                                                                        because the bias is kept)
+LA-FR                      (psi_c/||psi_c||) * ||phi_k,c||, no bias:    psi_c * ||phi_k,c|| + b_psi with the raw
+                           Alg. 1 line 11 uses psi after line 8, so     psi (``realign=official``)
+                           realigned rows have exactly phi_k's norms
+PM logits                  Alg. 1 returns {theta, phi'_k}: the          phi_k(h) + realigned(h), masked (README and
+                           realigned head alone (``pm_logits=           code). Default here, as the brief asks; the
+                           realigned``)                                 code masks by the local *test* counts, we
+                                                                        mask by the client's training classes
+fine-tuning after LA-FR    "could be further conducted" (A.5: gains     0 epochs in the released code
+                           up to 15 epochs)                             (``finetune_epochs``, default 0)
+optimisers                 "SGD"                                        three SGDs (lr, momentum of the run),
+                                                                        re-created every round: the default here;
+                                                                        ``head_lr`` / ``head_momentum`` set the
+                                                                        heads' own, ``persist_phi_momentum`` keeps
+                                                                        phi_k's momentum buffer across rounds
+phi_k^(0)                  unspecified                                  an independent default nn.Linear init per
+                                                                        client: ours is U(-1/sqrt(d), 1/sqrt(d))
+                                                                        from a seed derived from (seed, client)
+=========================  ===========================================  ============================================
+
+Ablations (Table 3, App. A.10): ``fixed`` = sse-c | etf | xavier | gaussian | uniform | orthogonal |
+kaiming_uniform; ``beta`` (sparsity; < 0 = the kind's default: 0.6 for sse-c, 0 for the rest); ``refine``
+(auto: run the SSE-C geometry optimisation when sparse, i.e. Table 9's "Sparse X"); ``ga_fr`` / ``la_fr`` on/off.
+Since GA-FR and LA-FR (without fine-tuning) do not change training, one run gives every Table 3 row of its
+fixed classifier: GM universal vs generic is "GA-FR off/on", PM phi+psi vs personalized is "LA-FR off/on".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..core import Message, Method, Predictor, derive_seed, load_weights, train_local, weights_of
+from ..core.etf import KINDS, cached_fixed_classifier, etf_report
+from ..errors import ConfigError
+from ..registry import METHODS
+
+PHI_INIT, FIXED_BIAS = 0xF10, 0xF11  # seed streams (with the run seed, and the client id for phi_k^(0))
+HEAD = ("head.weight", "head.bias")
+
+
+# ------------------------------------------------------------------------------------------------ realignment
+def ga_fr(weight: torch.Tensor, norm: float = 1.0) -> torch.Tensor:
+    """GA-FR (Eq. 6): every class vector rescaled to the same norm, ``norm * psi_c / ||psi_c||``."""
+    return weight * (norm / weight.norm(dim=1, keepdim=True).clamp_min(1e-12))
+
+
+def la_fr(psi: torch.Tensor, phi: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """LA-FR (Eq. 7): ``psi_c * ||phi_k,c||``, with ``psi_c`` first normalised (paper, Alg. 1 line 11 after
+    line 8: the rows then have exactly the local head's norms) or raw (official code)."""
+    base = ga_fr(psi) if normalize else psi
+    return base * phi.norm(dim=1, keepdim=True)
+
+
+def masked_bias(bias: torch.Tensor, present: np.ndarray | None) -> torch.Tensor:
+    """``bias`` with -inf at the classes not in ``present`` (None: nothing masked): those logits become -inf."""
+    if present is None:
+        return bias
+    keep = torch.zeros_like(bias, dtype=torch.bool)
+    keep[torch.as_tensor(present, dtype=torch.long)] = True
+    return bias.masked_fill(~keep, float("-inf"))
+
+
+def linear_head(weight: torch.Tensor, bias: torch.Tensor):
+    return lambda h: F.linear(h, weight, bias)
+
+
+@METHODS.register("fedloge")
+class FedLoGe(Method):
+    name = "fedloge"
+    personalized = True
+
+    @dataclass
+    class Params:
+        # stage 1: the frozen classifier (fedlt.core.etf)
+        fixed: str = "sse-c"  # sse-c | etf | xavier | gaussian | uniform | orthogonal | kaiming_uniform
+        beta: float = -1.0  # sparsity; < 0: the kind's default (0.6 for sse-c, 0 = dense for the others)
+        refine: str = "auto"  # SSE-C geometry loss on the surviving entries: auto (sse-c or sparse) | true | false
+        gamma: float = -1.0  # norm target; < 0: the variant's (paper 1.0, official 0.1 = the code's "tau")
+        sse_variant: str = "paper"  # paper | official (gamma 0.1, U[0,1) basis, floor rounding)
+        sse_steps: int = 10_000  # Adam steps of the SSE-C construction (official: 10,000)
+        sse_lr: float = 1e-4  # its learning rate (official: 1e-4)
+        fixed_bias: bool = False  # official code: a frozen random bias U(-1/sqrt(d), 1/sqrt(d)) on the SSE-C
+        send_fixed: bool = False  # ship the matrix once per client instead of deriving it from the seed
+        # stage 1: optimisers (backbone: the run's lr/momentum; re-created every round, like the official code)
+        head_lr: float = -1.0  # psi and phi_k; < 0: the run's lr (official: the same lr for all three)
+        head_momentum: float = -1.0  # < 0: the run's momentum
+        persist_phi_momentum: bool = False  # keep phi_k's SGD momentum in the client state across rounds
+        # stages 2-3: realignment
+        ga_fr: bool = True
+        la_fr: bool = True
+        realign: str = "paper"  # paper (Eq. 6-7, no bias) | official (GA-FR norm 1.7 + bias, LA-FR on raw psi + bias)
+        gafr_norm: float = -1.0  # GA-FR target norm; < 0: the variant's (paper 1.0, official 1.7)
+        pm_logits: str = "sum"  # sum: phi_k(h) + realigned(h) (official) | realigned: the realigned head alone (Alg. 1)
+        mask_absent: bool = True  # personal logits of classes absent from the client's training data -> -inf
+        finetune_epochs: int = 0  # CE epochs on the realigned head after LA-FR (Alg. 1 line 12; official 0)
+        preview: bool = True  # per-round evaluations also report GA-FR / LA-FR of the current heads
+
+    def __init__(self, spec, params=None):
+        super().__init__(spec, params)
+        p = self.p
+        choices = {"fixed": KINDS, "refine": ("auto", "true", "false"), "sse_variant": ("paper", "official"),
+                   "realign": ("paper", "official"), "pm_logits": ("sum", "realigned")}
+        for key, allowed in choices.items():
+            if getattr(p, key) not in allowed:
+                raise ConfigError(f"fedloge: {key}={getattr(p, key)!r} is not one of {', '.join(allowed)}")
+        if p.beta >= 1:
+            raise ConfigError(f"fedloge: beta must be in [0, 1) (or < 0 for the default), got {p.beta:g}")
+        if p.finetune_epochs < 0 or p.sse_steps < 0:
+            raise ConfigError("fedloge: finetune_epochs and sse_steps must be >= 0")
+        if not (p.head_momentum < 1):
+            raise ConfigError(f"fedloge: head_momentum must be < 1, got {p.head_momentum:g}")
+        if p.head_lr == 0 or p.sse_lr <= 0:
+            raise ConfigError("fedloge: head_lr and sse_lr must be > 0 (head_lr < 0: the run's lr)")
+        self.phases = tuple(name for name, on in (("ga-fr", p.ga_fr), ("la-fr", p.la_fr)) if on)
+        official = p.realign == "official"
+        self.gafr_norm = p.gafr_norm if p.gafr_norm > 0 else (1.7 if official else 1.0)
+        self.keep_bias = official  # the official code keeps b_psi in both realigned heads
+        self.lafr_normalize = not official
+        self._fixed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._phi: torch.nn.Linear | None = None
+
+    # ---------------------------------------------------------------------------------------- fixed classifier
+    @property
+    def feature_dim(self) -> int:
+        return self.net.feature_dim
+
+    def fixed_spec(self) -> tuple[str, float | None, dict]:
+        """(kind, beta, options) for ``fedlt.core.etf``: everything that determines the fixed matrix."""
+        p = self.p
+        beta = None if p.beta < 0 else p.beta
+        sparse = (p.fixed == "sse-c") if beta is None else beta > 0
+        refine = {"auto": p.fixed == "sse-c" or sparse, "true": True, "false": False}[p.refine]
+        opts: dict = {"variant": p.sse_variant, "refine": refine}
+        if refine:
+            opts.update(steps=p.sse_steps, lr=p.sse_lr)
+            if p.gamma >= 0:
+                opts["gamma"] = p.gamma
+        return p.fixed, beta, opts
+
+    def fixed_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W [C, d], b [C]) of the frozen classifier, derived from the run seed (built once, cached on disk)."""
+        if self._fixed is None:
+            s, (kind, beta, opts) = self.spec, self.fixed_spec()
+            d, C = self.feature_dim, s.num_classes
+            W = cached_fixed_classifier(s.cache_dir, kind, d, C, beta, seed=s.seed, **opts).to(s.device)
+            b = torch.zeros(C)
+            if self.p.fixed_bias:
+                g = torch.Generator().manual_seed(derive_seed(s.seed, FIXED_BIAS))
+                b = (torch.rand(C, generator=g) * 2 - 1) / math.sqrt(d)
+            self._fixed = (W, b.to(s.device))
+        return self._fixed
+
+    def _client_fixed(self, payload: Message, cstate: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.p.send_fixed:
+            return self.fixed_head()
+        if "fixed.weight" in payload.arrays:
+            cstate["fixed.weight"], cstate["fixed.bias"] = payload.arrays["fixed.weight"], payload.arrays["fixed.bias"]
+        return cstate["fixed.weight"], cstate["fixed.bias"]
+
+    # ------------------------------------------------------------------------------------------------- server
+    def init_server(self) -> dict:
+        state = super().init_server()
+        W, b = self.fixed_head()
+        rep = etf_report(W)
+        state["fixed_report"] = {"kind": self.fixed_spec()[0], **self.fixed_spec()[2], **rep}
+        print(f"fedloge: fixed classifier {self.fixed_spec()[0]} [{rep['C']}x{rep['d']}] sparsity "
+              f"{rep['sparsity']:.3f}, norm {rep['norm_mean']:.4f} (var {rep['norm_var']:.2e}), pairwise angle "
+              f"{rep['angle_mean_deg']:.3f} deg (var {rep['angle_var_deg2']:.2e}; ETF {rep['etf_angle_deg']:.3f})")
+        if self.p.send_fixed:
+            state["fixed"] = {"fixed.weight": W, "fixed.bias": b}
+            state["has_fixed"] = []
+        return state
+
+    def configure(self, state: dict, rnd: int, cid: int) -> Message:
+        arrays = dict(state["weights"])
+        if self.p.send_fixed and cid not in state["has_fixed"]:
+            arrays.update(state["fixed"])
+        return Message(arrays=arrays)
+
+    def aggregate(self, state: dict, rnd: int, replies) -> dict:
+        state = super().aggregate(state, rnd, replies)  # theta and psi, weighted by num_examples
+        if self.p.send_fixed:
+            state["has_fixed"] = sorted(set(state["has_fixed"]) | {cid for cid, _ in replies})
+        return state
+
+    # ------------------------------------------------------------------------------------------------- client
+    def init_client(self, cid: int, data) -> dict:
+        """phi_k^(0): a fresh linear head per client (the default nn.Linear init range, seeded by (seed, cid))."""
+        d, C = self.feature_dim, self.spec.num_classes
+        g = torch.Generator().manual_seed(derive_seed(self.spec.seed, PHI_INIT, cid))
+        bound = 1.0 / math.sqrt(d)
+        w = (torch.rand(C, d, generator=g) * 2 - 1) * bound
+        b = (torch.rand(C, generator=g) * 2 - 1) * bound
+        return {"phi.weight": w.to(self.spec.device), "phi.bias": b.to(self.spec.device)}
+
+    @property
+    def phi(self) -> torch.nn.Linear:
+        """The client-side working module for a local head (loaded from, and saved back to, client state)."""
+        if self._phi is None:
+            self._phi = torch.nn.Linear(self.feature_dim, self.spec.num_classes).to(self.spec.device)
+        return self._phi
+
+    def _lr(self) -> tuple[float, float]:
+        s, p = self.spec, self.p
+        return (p.head_lr if p.head_lr > 0 else s.lr), (p.head_momentum if p.head_momentum >= 0 else s.momentum)
+
+    def local_train(self, payload, cstate, data, gen):
+        s, net, phi = self.spec, self.net, self.phi
+        load_weights(net, payload.arrays)
+        W, b = self._client_fixed(payload, cstate)
+        with torch.no_grad():
+            phi.weight.copy_(cstate["phi.weight"])
+            phi.bias.copy_(cstate["phi.bias"])
+        head_lr, head_mom = self._lr()
+        opt = torch.optim.SGD(
+            [{"params": list(net.backbone.parameters())},
+             {"params": list(net.head.parameters()), "lr": head_lr, "momentum": head_mom},
+             {"params": list(phi.parameters()), "lr": head_lr, "momentum": head_mom}],
+            lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        if self.p.persist_phi_momentum and "phi.momentum.weight" in cstate:
+            opt.state[phi.weight]["momentum_buffer"] = cstate["phi.momentum.weight"].clone()
+            opt.state[phi.bias]["momentum_buffer"] = cstate["phi.momentum.bias"].clone()
+        parts = torch.zeros(3)
+
+        def loss_fn(model, x, y):
+            h = model.backbone(x)
+            hd = h.detach()
+            losses = torch.stack([F.cross_entropy(F.linear(h, W, b), y),  # backbone through the frozen SSE-C
+                                  F.cross_entropy(model.head(hd), y),  # psi on detached features
+                                  F.cross_entropy(phi(hd), y)])  # phi_k on detached features
+            parts.add_(losses.detach())
+            return losses.sum()
+
+        stats = train_local(net, data, s, gen, loss_fn, optimizer=opt)
+        steps = max(stats["steps"], 1)
+        new = {**cstate, "phi.weight": phi.weight.detach().clone(), "phi.bias": phi.bias.detach().clone()}
+        if self.p.persist_phi_momentum and head_mom > 0 and stats["steps"]:
+            new["phi.momentum.weight"] = opt.state[phi.weight]["momentum_buffer"].clone()
+            new["phi.momentum.bias"] = opt.state[phi.bias]["momentum_buffer"].clone()
+        l_bb, l_psi, l_phi = (parts / steps).tolist()
+        meta = {"num_examples": len(data), "loss": l_bb, "loss_psi": l_psi, "loss_phi": l_phi, "steps": stats["steps"]}
+        return Message(weights_of(net), meta), new
+
+    # ----------------------------------------------------------------------------------- stages 2 and 3
+    def phase_configure(self, phase: str, state: dict, cid: int) -> Message:
+        if phase == "ga-fr":  # server-only: nothing to send
+            return Message()
+        # LA-FR needs psi; fine-tuning also needs the backbone to compute features
+        w = state["weights"]
+        return Message(arrays=dict(w) if self.p.finetune_epochs > 0 else {k: w[k] for k in HEAD})
+
+    def phase_client(self, phase: str, payload: Message, cstate: dict, data, gen):
+        if phase == "ga-fr":
+            return Message(meta={"num_examples": len(data)}), cstate
+        psi_w, psi_b = payload.arrays["head.weight"], payload.arrays["head.bias"]
+        rw = la_fr(psi_w, cstate["phi.weight"], self.lafr_normalize)
+        rb = psi_b.clone() if self.keep_bias else torch.zeros_like(psi_b)
+        meta: dict = {"num_examples": len(data)}
+        if self.p.finetune_epochs > 0:
+            rw, rb, meta["loss"] = self._finetune(payload, rw, rb, data, gen)
+        return Message(meta=meta), {**cstate, "realigned.weight": rw, "realigned.bias": rb}
+
+    def _finetune(self, payload, rw, rb, data, gen):
+        """Alg. 1 line 12: CE on the realigned head alone, over detached features of the local data."""
+        net = self.net
+        load_weights(net, payload.arrays)
+        net.eval()  # the backbone is the shared global one: no BN statistics move
+        w = rw.clone().requires_grad_(True)
+        b = rb.clone().requires_grad_(self.keep_bias)
+        lr, mom = self._lr()
+        opt = torch.optim.SGD([w, b] if self.keep_bias else [w], lr=lr, momentum=mom)
+        total, steps = 0.0, 0
+        for x, y in data.batches(self.spec.batch_size, gen, epochs=self.p.finetune_epochs):
+            with torch.no_grad():
+                h = net.backbone(x)
+            loss = F.cross_entropy(F.linear(h, w, b), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total, steps = total + float(loss.detach()), steps + 1
+        return w.detach(), b.detach(), total / max(steps, 1)
+
+    def phase_aggregate(self, phase: str, state: dict, replies) -> dict:
+        if phase == "ga-fr":
+            w, b = self._generic(state["weights"]["head.weight"], state["weights"]["head.bias"])
+            state["generic"] = {"weight": w, "bias": b.clone()}
+        return state
+
+    # ------------------------------------------------------------------------------------------- inference
+    def _generic(self, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ga_fr(w, self.gafr_norm), (b if self.keep_bias else torch.zeros_like(b))
+
+    def global_model(self, state: dict) -> dict[str, Predictor]:
+        m = self.eval_model(state["weights"])
+        W, b = self.fixed_head()
+        psi_w, psi_b = m.head.weight.detach(), m.head.bias.detach()
+        modes: dict[str, Predictor] = {}
+        if "generic" in state:  # after the GA-FR phase
+            modes["generic"] = Predictor(m.backbone, linear_head(state["generic"]["weight"], state["generic"]["bias"]),
+                                         shared_backbone=True)
+        modes["universal"] = Predictor(m.backbone, linear_head(W, b), shared_backbone=True)
+        modes["psi"] = Predictor(m.backbone, linear_head(psi_w, psi_b), shared_backbone=True)
+        if "generic" not in state and self.p.ga_fr and self.p.preview:
+            modes["generic-preview"] = Predictor(m.backbone, linear_head(*self._generic(psi_w, psi_b)),
+                                                 shared_backbone=True)
+        return modes
+
+    def eval_payload(self, state: dict, cid: int) -> Message:
+        return Message(arrays=dict(state["weights"]))
+
+    def personal_model(self, payload: Message, cstate: dict, data) -> dict[str, Predictor]:
+        net = self.net
+        load_weights(net, payload.arrays)
+        net.eval()
+        present = data.classes if self.p.mask_absent else None
+        psi_w, psi_b = payload.arrays["head.weight"], payload.arrays["head.bias"]
+        phi_w, phi_b = cstate["phi.weight"], cstate["phi.bias"]
+
+        def head(w, b):  # sum of linear heads = one linear head; masking = -inf bias
+            return Predictor(net.backbone, linear_head(w, masked_bias(b, present)), shared_backbone=True)
+
+        def personalized(rw, rb):
+            return head(phi_w + rw, phi_b + rb) if self.p.pm_logits == "sum" else head(rw, rb)
+
+        modes: dict[str, Predictor] = {}
+        if "realigned.weight" in cstate:  # after the LA-FR phase
+            modes["personalized"] = personalized(cstate["realigned.weight"], cstate["realigned.bias"])
+        modes["phi+psi"] = head(phi_w + psi_w, phi_b + psi_b)  # what the official code logs every round
+        modes["phi"] = head(phi_w, phi_b)
+        if "realigned.weight" not in cstate and self.p.la_fr and self.p.preview:
+            rb = psi_b if self.keep_bias else torch.zeros_like(psi_b)
+            modes["personalized-preview"] = personalized(la_fr(psi_w, phi_w, self.lafr_normalize), rb)
+        return modes
