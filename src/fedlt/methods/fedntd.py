@@ -1,0 +1,87 @@
+"""FedNTD (Lee et al., "Preservation of the Global Knowledge by Not-True Distillation in Federated Learning",
+NeurIPS 2022). Official code: Lee-Gihun/FedNTD.
+
+Client: E local epochs on
+    L = CE(z, y) + beta * tau^2 * KL( softmax(z~_g / tau) || softmax(z~ / tau) )
+where z are the local model's logits, z_g the logits of the global model received this round (a frozen
+teacher, in eval mode), and ~ removes the true-class entry (C - 1 "not-true" logits per sample). The KL is
+averaged over the batch. The true class is left to the cross-entropy alone: the distillation keeps the
+global model's knowledge of the *other* classes, which local training on a skewed label distribution would
+otherwise forget. No client state.
+Server: FedAvg (sample-weighted mean). Inference: the global model; no personal model.
+
+Defaults: tau = 1, beta = 1 (``config/fedntd.json`` of the official code; the NTD_Loss class defaults of
+tau = 3 are overridden by that config). Differences between codes: the official teacher is a deepcopy that
+keeps the student's train/eval mode (BN would use batch statistics); PFLlib and this file put the teacher in
+eval mode (no difference for models without BN or dropout). PFLlib's default beta = 0 switches NTD off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..core import Message, load_weights, train_local, weights_of
+from ..errors import ConfigError
+from ..registry import METHODS
+from .fedavg import FedAvg
+
+
+def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``[B, C]`` logits without each row's true-class entry: ``[B, C - 1]`` (other classes in order)."""
+    B, C = logits.shape
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    keep[torch.arange(B, device=logits.device), y] = False
+    return logits[keep].view(B, C - 1)
+
+
+def ntd_term(logits: torch.Tensor, teacher_logits: torch.Tensor, y: torch.Tensor, tau: float) -> torch.Tensor:
+    """``tau^2 * KL(softmax(z~_g / tau) || softmax(z~ / tau))``, batch mean, on the not-true logits."""
+    s = F.log_softmax(not_true_logits(logits, y) / tau, dim=1)
+    t = F.softmax(not_true_logits(teacher_logits.detach(), y) / tau, dim=1)
+    return tau * tau * F.kl_div(s, t, reduction="batchmean")
+
+
+def ntd_loss(logits, teacher_logits, y, tau: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+    """FedNTD's local objective: cross-entropy plus beta times the not-true distillation term."""
+    return F.cross_entropy(logits, y) + beta * ntd_term(logits, teacher_logits, y, tau)
+
+
+@METHODS.register("fedntd")
+class FedNTD(FedAvg):
+    name = "fedntd"
+
+    @dataclass
+    class Params:
+        tau: float = 1.0  # distillation temperature
+        beta: float = 1.0  # weight of the not-true distillation term
+
+    def __init__(self, spec, params=None):
+        super().__init__(spec, params)
+        if not self.p.tau > 0:
+            raise ConfigError(f"fedntd: tau must be > 0, got {self.p.tau}")
+        if not self.p.beta >= 0:
+            raise ConfigError(f"fedntd: beta must be >= 0, got {self.p.beta}")
+        if spec.num_classes < 2:
+            raise ConfigError("fedntd needs at least 2 classes (the not-true logits would be empty)")
+        self._teacher = None
+
+    def local_train(self, payload, cstate, data, gen):
+        net = self.net
+        load_weights(net, payload.arrays)
+        if self._teacher is None:
+            self._teacher = self.new_model()
+            self._teacher.requires_grad_(False)
+        teacher = self._teacher
+        load_weights(teacher, payload.arrays)
+        teacher.eval()
+        tau, beta = self.p.tau, self.p.beta
+
+        def loss_fn(model, x, y):
+            with torch.no_grad():
+                tz = teacher(x)
+            return ntd_loss(model(x), tz, y, tau, beta)
+
+        stats = train_local(net, data, self.spec, gen, loss_fn)
+        return Message(weights_of(net), {"num_examples": len(data), **stats}), cstate

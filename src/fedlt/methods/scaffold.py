@@ -1,0 +1,152 @@
+"""SCAFFOLD (Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML 2020).
+
+State: a server control variate c and a control variate c_i on every client (both start at 0; c_i never
+leaves its client -- only its change does). One per trainable parameter; none for buffers.
+
+Client i (Algorithm 1), receiving (x, c):
+    y <- x; for K local steps: y <- y - eta_l (grad f_i(y) - c_i + c)
+    c_i+ = grad f_i(x)                                 (option I: one extra pass over the local data), or
+    c_i+ = c_i - c + (x - y) / (K eta_l)                (option II, default: free)
+    send (y, Delta c_i = c_i+ - c_i); keep c_i <- c_i+
+Server, with S the round's clients and N the total number of clients:
+    x <- x + eta_g * (1/|S|) sum_{i in S} (y_i - x)
+    c <- c + (1/N) sum_{i in S} Delta c_i
+so c is at all times the mean of the N client variates (tests check this invariant).
+Inference: the global model x; no personal model.
+Communication: c travels down with x and Delta c_i up with y_i, so each message is about twice FedAvg's
+(FedDr+ Table 2 marks SCAFFOLD "(x2)"); the engine counts it from the Message arrays.
+
+Implementation notes and differences between codes (shared/reference/baseline-methods.md C4):
+- The correction (c - c_i) is added to every local gradient, here as the gradient of the linear term
+  <y, c - c_i> in the loss (exactly the same update; the logged loss is the cross-entropy alone).
+- Local momentum: the paper's local steps are plain SGD. This benchmark's local optimiser has momentum rho
+  (0.9), under which K SGD steps of a constant gradient move y by eta_l * K' * grad with
+  K' = (K - rho (1 - rho^K) / (1 - rho)) / (1 - rho); option II then divides by K' instead of K
+  (``momentum_corrected=true``, default; the FedNTD code does the same). With rho = 0, K' = K: the paper.
+- Aggregation of y_i: uniform over the round's clients as in the paper (``weighting="uniform"``); FedAvg-style
+  n_i weights with ``weighting="samples"``. Buffers (BatchNorm statistics) are averaged with the same weights.
+- K is the number of local mini-batch steps actually taken (epochs x batches), as PFLlib; FL-bench reads its
+  local-epoch setting as K steps.
+- Default eta_g = 1 (the paper's experiments, the FedNTD and FedExP codes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..core import Message, load_weights, train_local, weighted_average, weights_of
+from ..core.server_opt import parameter_keys, server_step
+from ..errors import ConfigError
+from ..registry import METHODS
+from .fedavg import FedAvg
+
+C_DOWN, C_UP = "c/", "dc/"  # name prefixes of the control-variate arrays in messages
+
+
+def effective_steps(K: int, momentum: float) -> float:
+    """K' such that K heavy-ball steps (momentum rho, lr eta) of a constant gradient g move by eta * K' * g."""
+    if momentum == 0.0:
+        return float(K)
+    r = momentum
+    return (K - r * (1 - r**K) / (1 - r)) / (1 - r)
+
+
+@METHODS.register("scaffold")
+class Scaffold(FedAvg):
+    name = "scaffold"
+
+    @dataclass
+    class Params:
+        server_lr: float = 1.0  # eta_g
+        option: str = "II"  # "I": c_i+ = full local gradient at x; "II": from the model change
+        momentum_corrected: bool = True  # option II divides by K' (local momentum), = K without momentum
+        weighting: str = "uniform"  # aggregation of the y_i: uniform (paper) | samples (n_i weights)
+
+    def __init__(self, spec, params=None):
+        super().__init__(spec, params)
+        p = self.p
+        if p.option not in ("I", "II"):
+            raise ConfigError(f"scaffold: option must be I or II, got {p.option!r}")
+        if p.weighting not in ("uniform", "samples"):
+            raise ConfigError(f"scaffold: weighting must be uniform or samples, got {p.weighting!r}")
+        if not p.server_lr > 0:
+            raise ConfigError(f"scaffold: server_lr must be > 0, got {p.server_lr}")
+        self._keys: list[str] | None = None
+
+    @property
+    def param_keys(self) -> list[str]:
+        if self._keys is None:
+            self._keys = parameter_keys(self.net)
+        return self._keys
+
+    def _zeros(self, weights) -> dict[str, torch.Tensor]:
+        return {k: torch.zeros_like(weights[k]) for k in self.param_keys}
+
+    # ------------------------------------------------------------------ server
+    def init_server(self) -> dict:
+        st = super().init_server()
+        return {**st, "c": self._zeros(st["weights"])}
+
+    def configure(self, state, rnd, cid):
+        return Message({**state["weights"], **{C_DOWN + k: v for k, v in state["c"].items()}})
+
+    def eval_payload(self, state, cid):
+        return Message(dict(state["weights"]))
+
+    def aggregate(self, state, rnd, replies):
+        uniform = self.p.weighting == "uniform"
+        avg = weighted_average([({k: v for k, v in r.arrays.items() if not k.startswith(C_UP)},
+                                 1.0 if uniform else r.meta["num_examples"]) for _, r in replies])
+        w = state["weights"]
+        g = {k: w[k] - avg[k] for k in self.param_keys}
+        state["weights"] = server_step(w, avg, g, self.p.server_lr)
+        N = self.spec.num_clients
+        for _, r in replies:
+            for k in self.param_keys:
+                state["c"][k] = state["c"][k] + r.arrays[C_UP + k] / N
+        return state
+
+    # ------------------------------------------------------------------ client
+    def local_train(self, payload, cstate, data, gen):
+        net, keys = self.net, self.param_keys
+        x = {k: v for k, v in payload.arrays.items() if not k.startswith(C_DOWN)}
+        c = {k: payload.arrays[C_DOWN + k] for k in keys}
+        load_weights(net, x)
+        ci = cstate.get("c") or self._zeros(x)
+        if self.p.option == "I":
+            ci_new = self._full_gradient(data)
+        correction = {k: c[k] - ci[k] for k in keys}
+        params = dict(net.named_parameters())
+        ces: list[float] = []
+
+        def loss_fn(model, xb, yb):
+            ce = F.cross_entropy(model(xb), yb)
+            ces.append(float(ce.detach()))
+            return ce + sum((params[k] * correction[k]).sum() for k in keys)
+
+        stats = train_local(net, data, self.spec, gen, loss_fn)
+        y = weights_of(net)
+        if self.p.option == "II":
+            K = stats["steps"]
+            rho = self.spec.momentum if self.p.momentum_corrected else 0.0
+            denom = effective_steps(K, rho) * self.spec.lr
+            ci_new = {k: ci[k] - c[k] + (x[k] - y[k]) / denom for k in keys} if K else dict(ci)
+        dc = {C_UP + k: ci_new[k] - ci[k] for k in keys}
+        meta = {"num_examples": len(data), "loss": sum(ces) / max(len(ces), 1), "steps": stats["steps"]}
+        return Message({**y, **dc}, meta), {**cstate, "c": ci_new}
+
+    def _full_gradient(self, data) -> dict[str, torch.Tensor]:
+        """Option I: grad f_i(x), the mean cross-entropy gradient over the whole local set at the received x."""
+        net = self.net
+        net.train()
+        net.zero_grad(set_to_none=True)
+        n = len(data)
+        for xb, yb in data.batches(self.spec.batch_size, None, epochs=1, shuffle=False, train=False):
+            (F.cross_entropy(net(xb), yb, reduction="sum") / n).backward()
+        params = dict(net.named_parameters())
+        out = {k: params[k].grad.detach().clone() if params[k].grad is not None else torch.zeros_like(params[k])
+               for k in self.param_keys}
+        net.zero_grad(set_to_none=True)
+        return out
