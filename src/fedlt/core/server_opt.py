@@ -33,6 +33,18 @@ def parameter_keys(model: nn.Module) -> list[str]:
     return [k for k in model.state_dict() if k in names]
 
 
+class ParamKeys:
+    """Mixin for a Method: ``param_keys``, the keys its server step and control variates act on (computed
+    once from the method's model)."""
+
+    @property
+    def param_keys(self) -> list[str]:
+        keys = self.__dict__.get("_param_keys")
+        if keys is None:
+            keys = self.__dict__["_param_keys"] = parameter_keys(self.net)
+        return keys
+
+
 def pseudo_gradient(weights: Arrays, averaged: Arrays, keys: Iterable[str]) -> Arrays:
     """``g = w - w_avg`` on ``keys``."""
     return {k: weights[k] - averaged[k] for k in keys}

@@ -25,13 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core import weighted_average
-from ..core.server_opt import momentum_direction, parameter_keys, pseudo_gradient, server_step
+from ..core.server_opt import ParamKeys, momentum_direction, pseudo_gradient, server_step
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
 
 
-class ServerOptMethod(FedAvg):
+class ServerOptMethod(ParamKeys, FedAvg):
     """FedAvg clients plus a server optimiser on the pseudo-gradient; subclasses give ``direction``.
 
     ``Params`` must have ``server_lr``. The optimiser state is ``state["server_opt"]``.
@@ -41,13 +41,6 @@ class ServerOptMethod(FedAvg):
         super().__init__(spec, params)
         if not self.p.server_lr > 0:
             raise ConfigError(f"{self.name}: server_lr must be > 0, got {self.p.server_lr}")
-        self._keys: list[str] | None = None
-
-    @property
-    def param_keys(self) -> list[str]:
-        if self._keys is None:
-            self._keys = parameter_keys(self.net)
-        return self._keys
 
     def init_server(self) -> dict:
         return {**super().init_server(), "server_opt": {}}

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core import Predictor, load_weights, weighted_average
-from ..core.server_opt import parameter_keys, server_step, sq_norm
+from ..core.server_opt import ParamKeys, server_step, sq_norm
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -45,7 +45,7 @@ def fedexp_step_size(client_deltas: list[dict], mean_delta: dict, weights: list[
 
 
 @METHODS.register("fedexp")
-class FedExP(FedAvg):
+class FedExP(ParamKeys, FedAvg):
     name = "fedexp"
 
     @dataclass
@@ -64,13 +64,6 @@ class FedExP(FedAvg):
             raise ConfigError(f"fedexp: weighting must be one of {', '.join(WEIGHTINGS)}, got {p.weighting!r}")
         if not p.eps >= 0:
             raise ConfigError(f"fedexp: eps must be >= 0, got {p.eps}")
-        self._keys: list[str] | None = None
-
-    @property
-    def param_keys(self) -> list[str]:
-        if self._keys is None:
-            self._keys = parameter_keys(self.net)
-        return self._keys
 
     def init_server(self) -> dict:
         st = super().init_server()

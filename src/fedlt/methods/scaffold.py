@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, load_weights, train_local, weighted_average, weights_of
-from ..core.server_opt import parameter_keys, server_step
+from ..core.server_opt import ParamKeys, pseudo_gradient, server_step
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -54,7 +54,7 @@ def effective_steps(K: int, momentum: float) -> float:
 
 
 @METHODS.register("scaffold")
-class Scaffold(FedAvg):
+class Scaffold(ParamKeys, FedAvg):
     name = "scaffold"
 
     @dataclass
@@ -73,13 +73,6 @@ class Scaffold(FedAvg):
             raise ConfigError(f"scaffold: weighting must be uniform or samples, got {p.weighting!r}")
         if not p.server_lr > 0:
             raise ConfigError(f"scaffold: server_lr must be > 0, got {p.server_lr}")
-        self._keys: list[str] | None = None
-
-    @property
-    def param_keys(self) -> list[str]:
-        if self._keys is None:
-            self._keys = parameter_keys(self.net)
-        return self._keys
 
     def _zeros(self, weights) -> dict[str, torch.Tensor]:
         return {k: torch.zeros_like(weights[k]) for k in self.param_keys}
@@ -100,7 +93,7 @@ class Scaffold(FedAvg):
         avg = weighted_average([({k: v for k, v in r.arrays.items() if not k.startswith(C_UP)},
                                  1.0 if uniform else r.meta["num_examples"]) for _, r in replies])
         w = state["weights"]
-        g = {k: w[k] - avg[k] for k in self.param_keys}
+        g = pseudo_gradient(w, avg, self.param_keys)
         state["weights"] = server_step(w, avg, g, self.p.server_lr)
         N = self.spec.num_clients
         for _, r in replies:
