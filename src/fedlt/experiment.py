@@ -36,7 +36,10 @@ def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
                    num_classes=fed.num_classes, seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum,
                    weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                    rounds=cfg.rounds, num_clients=cfg.clients, device=cfg.device,
-                   cache_dir=os.environ.get("FEDLT_CACHE"))
+                   cache_dir=os.environ.get("FEDLT_CACHE"),
+                   data=dict(dataset=cfg.dataset, data_dir=cfg.data_dir, imbalance_ratio=cfg.imbalance_ratio,
+                             lt_profile=cfg.lt_profile, tail_classes=cfg.tail_classes, n_max=cfg.n_max,
+                             seed=cfg.seed))
 
 
 def federation_for(cfg: RunConfig) -> Federation:

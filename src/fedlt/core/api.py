@@ -61,6 +61,10 @@ class RunSpec:
     num_clients: int = 20
     device: str = "cpu"
     cache_dir: str | None = None
+    # The data settings (dataset, data_dir, imbalance_ratio, lt_profile, tail_classes, n_max, seed), plain
+    # values like the rest: a server that holds data of its own (Ratio Loss's auxiliary balanced set) can
+    # rebuild which training samples the clients hold, and draw its own from the others. Empty: unknown.
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
