@@ -94,34 +94,65 @@ def _jsonable(o):
     raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
-def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | None = None) -> dict:
-    """Run one experiment end to end and return its summary."""
+def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | None = None, *,
+        checkpoint_every: int = 0, resume: bool = False, labels: dict | None = None) -> dict:
+    """Run one experiment end to end and return its summary.
+
+    ``checkpoint_every`` N > 0 writes ``checkpoint.pt`` in the run directory (atomically) every N rounds and
+    after the last; with ``resume`` a run whose directory holds a checkpoint continues from it (the settings
+    must be the same) and ends with the metrics it would have reached uninterrupted. ``labels`` (method,
+    setting, seed) are stored in config.json for ``fedlt report``. ``summary.json`` is written last: its
+    presence marks a finished run (the checkpoint is then deleted)."""
+    from .experiments.runstate import CHECKPOINT, MetricsLog, head_like, load_checkpoint, save_checkpoint
+
     pr = prepared or prepare(cfg)
     fed, method = pr.fed, pr.method
     out = run_dir_for(cfg)
+    config = {**cfg.to_dict(), "model": pr.spec.model, "method_params": vars(method.p), "engine": "simulation"}
+    if labels:
+        config["labels"] = labels
+    ck = load_checkpoint(out / CHECKPOINT, config) if resume else None
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", {**cfg.to_dict(), "model": pr.spec.model,
-                                     "method_params": vars(method.p), "engine": "simulation"})
+    write_json(out / "config.json", config)
     write_json(out / "partition.json", {"train_counts": fed.train_counts, "client_class_counts": fed.counts,
                                         "client_test_sizes": [len(c.test_y) for c in fed.clients]})
     echo(fed.summary())
-    metrics = open(out / "metrics.jsonl", "w", buffering=1)
-
-    def log(rec):
-        metrics.write(json.dumps(rec, default=_jsonable) + "\n")
-
     sim = Simulation(method, fed, EngineConfig(cfg.rounds, cfg.participation, cfg.eval_every, cfg.seed,
-                                               cfg.split, progress), log)
+                                               cfg.split, progress))
+    elapsed = 0.0
+    if ck is not None:
+        sim.load_state_dict(ck["sim"])
+        elapsed = ck["elapsed"]
+        echo(f"resuming {out} after round {sim.round} of {cfg.rounds}")
+    sim.log = log = MetricsLog(out, sim.history)
+    C = fed.num_classes
+    heads: dict = {}
     t0 = time.perf_counter()
+
+    def snapshot_heads(s):  # the server's classifiers at the end of training, before any post-training phase
+        if s.round == cfg.rounds:
+            heads["server_before_phases"] = head_like(s.state, C)
+
+    def checkpoint(s):
+        if checkpoint_every > 0 and (s.round % checkpoint_every == 0 or s.round == cfg.rounds):
+            save_checkpoint(out / CHECKPOINT, s.state_dict(), config, elapsed + time.perf_counter() - t0)
+
+    sim.after_round += [snapshot_heads, checkpoint]
+    snapshot_heads(sim)
     final = sim.run()
-    metrics.close()
-    summary = {"run_dir": str(out), "method": cfg.method, "wall_time": time.perf_counter() - t0,
+    log.close()
+    summary = {"run_dir": str(out), "method": cfg.method, "wall_time": elapsed + time.perf_counter() - t0,
                "last3": mean_last(sim.history), "final": final,
                "bytes_per_round_per_client": {
                    "up": float(np.mean([h["bytes_up_per_client"] for h in sim.history])),
                    "down": float(np.mean([h["bytes_down_per_client"] for h in sim.history]))}}
+    if ck is not None:
+        summary["resumed_after_round"] = ck["sim"]["round"]
+    clients = {cid: h for cid, cs in sorted(sim.client_states.items()) if (h := head_like(cs, C))}
+    torch.save({"state": sim.state, "heads": {"server": head_like(sim.state, C), **heads, "clients": clients}},
+               out / "final_state.pt")
     write_json(out / "summary.json", summary)
-    torch.save({"state": sim.state}, out / "final_state.pt")
+    (out / CHECKPOINT).unlink(missing_ok=True)
     echo(format_summary(summary))
     return summary
 
