@@ -90,6 +90,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 OPTIMIZERS = ("adam", "sgd")
 BASES = ("gaussian", "uniform")
 COS_CLAMP = 0.99999
+_SINGLE_THREAD_MAX_C = 256
 # Bump when anything changes the matrix built from the same spec (it invalidates every cache entry).
 FORMAT_VERSION = 1
 
@@ -241,6 +242,7 @@ def refine_fixed_classifier(
     optimizer: str = "adam",
     dtype: torch.dtype = torch.float32,
     log_every: int = 0,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """Minimise ``sse_c_loss`` over the entries of ``W`` ``[C, d]`` where ``mask`` is True (all if None).
 
@@ -248,6 +250,10 @@ def refine_fixed_classifier(
     decay) or plain SGD, on the hand-written gradient :func:`sse_c_grad`, computed in ``dtype``. The gradient
     is multiplied by the mask and the iterate is re-masked, so masked entries are exactly 0 throughout and
     in the result. Returns a new ``[C, d]`` tensor in ``W``'s dtype. Every row needs a surviving non-zero.
+
+    ``threads``: torch intra-op threads for the loop (restored afterwards). ``None`` uses 1 thread up to
+    C = 256 classes -- the per-step tensors are too small for threading to pay, and on a busy machine
+    spinning OpenMP workers made a 2-thread run 10x slower -- and torch's current setting above that.
     """
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {optimizer!r} for the fixed classifier; choose one of: {', '.join(OPTIMIZERS)}")
@@ -265,7 +271,19 @@ def refine_fixed_classifier(
             f"fixed classifier: class vector(s) {dead[:5]} have no non-zero entry left after sparsification; "
             f"lower beta or raise the feature dimension"
         )
-    gamma, lr = float(gamma), float(lr)
+    prev_threads = torch.get_num_threads()
+    if threads is None:
+        threads = 1 if P.shape[0] <= _SINGLE_THREAD_MAX_C else prev_threads
+    torch.set_num_threads(max(1, int(threads)))
+    try:
+        _optimise(P, m, float(gamma), float(lr), steps, optimizer, log_every)
+    finally:
+        torch.set_num_threads(prev_threads)
+    return P.to(out_dtype)
+
+
+def _optimise(P: torch.Tensor, m: torch.Tensor, gamma: float, lr: float, steps: int, optimizer: str, log_every: int) -> None:
+    """In place on ``P``: ``steps`` masked steps of Adam (torch's update rule) or plain SGD."""
     b1, b2, eps = 0.9, 0.999, 1e-8
     exp_avg = torch.zeros_like(P)
     exp_avg_sq = torch.zeros_like(P)
@@ -285,7 +303,6 @@ def refine_fixed_classifier(
             denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
             P.addcdiv_(exp_avg, denom, value=-lr / bc1)
         P.mul_(m)
-    return P.to(out_dtype)
 
 
 def sparse_etf(
@@ -301,6 +318,7 @@ def sparse_etf(
     basis: str | None = None,
     dtype: torch.dtype = torch.float32,
     log_every: int = 0,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """SSE-C: a sparse ETF, ``[C, d]``, FedLoGe Sec. 3.2 (see the module docstring for the details).
 
@@ -316,7 +334,9 @@ def sparse_etf(
     basis = v["basis"] if basis is None else basis
     W = simplex_etf(d, C, seed=seed, basis=basis, dtype=torch.float64)
     mask = random_mask(C, d, beta, seed=seed, rounding=v["rounding"])
-    W = refine_fixed_classifier(W, mask, gamma=gamma, steps=steps, lr=lr, optimizer=optimizer, dtype=dtype, log_every=log_every)
+    W = refine_fixed_classifier(
+        W, mask, gamma=gamma, steps=steps, lr=lr, optimizer=optimizer, dtype=dtype, log_every=log_every, threads=threads
+    )
     return W.to(dtype)
 
 
