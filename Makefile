@@ -1,0 +1,34 @@
+# fedlt: the two commands of the README, and their set-up.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+EXTRAS  ?= test
+SUDO    := $(shell [ "$$(id -u)" = "0" ] || echo sudo)
+FMNIST  := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+.PHONY: demo test setup data clean
+
+# A venv with the CPU build of torch (pip takes the local 2.13.0 wheel where one is provided) and fedlt.
+$(BIN)/.installed-$(EXTRAS): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(BIN)/.installed-$(EXTRAS)
+
+# Fashion-MNIST from Debian's package, where apt exists and the files are not there yet.
+data:
+	@if [ ! -f $(FMNIST) ] && [ -z "$$FEDLT_DATA" ] && command -v apt-get >/dev/null; then \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist; fi
+
+# A short federated long-tailed run: Fashion-MNIST-LT (rho 100), Dirichlet 0.5 over 20 clients.
+demo: setup data
+	$(BIN)/fedlt run --method fedavg --rounds 10 --eval-every 5 --out runs/demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info
