@@ -1,0 +1,52 @@
+"""fedlt compare: several methods on one setting, on the very same clients and client-sampling stream."""
+from __future__ import annotations
+
+import argparse
+
+from .run import add_config_arguments
+from .sweep import add_sweep_arguments
+
+NAME = "compare"
+HELP = "run several methods on one setting (same partition, same sampled clients) and tabulate GM / PM"
+ORDER = 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--methods", required=True, help="comma-separated method names, e.g. fedavg,fedprox")
+    p.add_argument("--seeds", help="comma-separated seeds (default: --seed, else 0); cells are mean ± std over them")
+    add_config_arguments(p)
+    add_sweep_arguments(p)
+    p.epilog = ("--set KEY=VALUE applies to every method; --set METHOD.KEY=VALUE to one (e.g. --set fedprox.mu=0.1). "
+                "Runs go to OUT/compare-<setting>/<setting>/<method>/seed<seed> unless --name gives the folder.")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    from ..errors import ConfigError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} expects comma-separated integers, got {text!r}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..experiments.sweep import compare_sweep
+    from .run import config_from_args, parse_set
+    from .sweep import execute
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    shared, per_method = {}, {}
+    for k, v in parse_set(args.set).items():
+        if "." in k:
+            m, key = k.split(".", 1)
+            per_method.setdefault(m, {})[key] = v
+        else:
+            shared[k] = v
+    args.set = [f"{k}={v}" for k, v in shared.items()]
+    base = config_from_args(args, method=methods[0] if methods else None)
+    seeds = _ints(args.seeds, "--seeds") if args.seeds else [base.seed]
+    out = str(Path(base.out) / args.name) if args.name else None
+    sweep = compare_sweep(base, methods, seeds, out, per_method, 1)
+    return execute(sweep, args)

@@ -1,0 +1,54 @@
+"""fedlt sweep: a grid of methods x settings x seeds from one TOML file, resumable."""
+from __future__ import annotations
+
+import argparse
+
+NAME = "sweep"
+HELP = "run a grid of methods x settings x seeds from a TOML file (finished runs are skipped, killed ones resume)"
+ORDER = 30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE.toml", help="the sweep file (see fedlt.experiments.sweep for its format)")
+    add_sweep_arguments(p)
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--dry-run", action="store_true", help="list the runs and their status; run nothing")
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared with `fedlt compare`."""
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="write a checkpoint every N rounds (0: none; default: the sweep file's, else 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.add_argument("--metric", choices=["last3", "final"], default="last3",
+                   help="the number each run contributes to the tables (default last3: mean of the last 3 evaluations)")
+
+
+def execute(sweep, args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
+    from ..experiments.report import write_report
+    from ..experiments.sweep import plan, run_plan
+
+    runs = plan(sweep)
+    every = sweep.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
+    if every < 0:
+        raise ConfigError(f"--checkpoint-every must be >= 0, got {every}")
+    if getattr(args, "dry_run", False):
+        for r in runs:
+            print(f"{r.status():8s} {r.dir}")
+        return 0
+    print(f"{len(runs)} runs ({len(sweep.methods)} methods x {len(sweep.settings)} settings x "
+          f"{len(sweep.seeds)} seeds) in {sweep.out}")
+    counts = run_plan(runs, checkpoint_every=every, progress=not args.no_progress, threads=args.threads)
+    print(f"{counts['started']} started, {counts['resumed']} resumed from a checkpoint, "
+          f"{counts['skipped']} finished before")
+    if not args.no_report:
+        write_report(sweep.out, which=args.metric)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..experiments.sweep import load_sweep
+
+    return execute(load_sweep(args.file), args)

@@ -1,0 +1,261 @@
+"""The report's figures (PNG; needs matplotlib, the optional ``report`` extra). One of each per setting:
+
+- ``curves_<setting>.png``: GM and PM per evaluated round for every method (mean over seeds, +- std band);
+  the final evaluation after a post-training phase is drawn as a separate marker.
+- ``per_class_<setting>.png``: per-class GM test accuracy (final evaluation) against the class's training
+  count, log scale: the long tail made visible.
+- ``head_norms_<setting>.png``: the L2 norm of each class vector of every classifier-like weight (a 2-D tensor
+  whose first dimension is the number of classes) against the class count. Left: the server's, at the end
+  (and before the post-training phases, where they differ); right: one client's own head against that
+  client's counts. Found generically in final_state.pt, labelled by state key.
+- ``partition_<setting>.png``: the client-by-class training counts as a heat map.
+The head-norm and partition figures use the first seed's runs.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from .runstate import head_like  # noqa: E402
+
+
+STYLES = ("-o", "--s", "-.^", ":D", "-v", "--P", "-.X", ":*")  # overlapping methods stay distinguishable
+
+
+def _safe(label: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_.+=" else "_" for ch in label)
+
+
+def _finished(runs, setting):
+    return [r for r in runs if r.setting == setting and r.summary is not None]
+
+
+def all_figures(runs, methods: list[str], settings: list[str], out: Path) -> list[tuple[str, str, str]]:
+    """Write every figure; returns (title, path, caption) for the report page."""
+    out.mkdir(parents=True, exist_ok=True)
+    figs = []
+    for s in settings:
+        rs = _finished(runs, s)
+        if not rs:
+            continue
+        for fn in (curves, per_class, head_norms, partition_heatmap):
+            res = fn(rs, [m for m in methods if any(r.method == m for r in rs)], s, out)
+            if res is not None:
+                figs.append(res)
+    return figs
+
+
+def _evals(run) -> tuple[list[int], list[float | None], list[float | None], bool]:
+    rounds, gm, pm, phases = [], [], [], False
+    path = run.dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        rec = json.loads(line)
+        if "phase" in rec:
+            phases = True
+        if "eval" not in rec:
+            continue
+        ev = rec["eval"]
+        rounds.append(rec["round"])
+        gm.append(next(iter(ev["global"].values()), {}).get("acc"))  # no global model: no GM
+        pm.append(next(iter(ev["personal"].values()))["acc"] if ev["personal"] else None)
+    return rounds, gm, pm, phases
+
+
+def _final(run) -> tuple[float | None, float | None]:
+    fin = run.summary["final"]
+    g = next(iter(fin["global"].values()), {}).get("acc")
+    p = next(iter(fin["personal"].values()), {}).get("acc") if fin["personal"] else None
+    return g, p
+
+
+def curves(rs, methods, setting, out: Path):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
+    for i, m in enumerate(methods):
+        color = f"C{i % 10}"
+        series = [_evals(r) for r in rs if r.method == m]
+        finals = [_final(r) for r in rs if r.method == m]
+        for k, (ax, name) in enumerate(zip(axes, ("GM", "PM"))):
+            rounds = series[0][0]
+            vals = [s[1 + k] for s in series if s[0] == rounds]
+            if not rounds or any(v is None for vs in vals for v in vs):
+                continue
+            a = 100 * np.array(vals, dtype=float)
+            mu = a.mean(0)
+            ax.plot(rounds, mu, STYLES[i % len(STYLES)], color=color, ms=4, label=m)
+            if len(a) > 1:
+                sd = a.std(0, ddof=1)
+                ax.fill_between(rounds, mu - sd, mu + sd, color=color, alpha=0.15)
+            if any(s[3] for s in series):  # a post-training phase: its final evaluation is another point
+                fv = [f[k] for f in finals if f[k] is not None]
+                if fv:
+                    ax.plot([rounds[-1]], [100 * np.mean(fv)], "*", color=color, ms=12,
+                            label=f"{m} after phases")
+    for ax, name in zip(axes, ("GM (balanced test set)", "PM (clients' own test sets)")):
+        ax.set_xlabel("round")
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    n = len({r.seed for r in rs})
+    fig.suptitle(f"{setting}: accuracy per evaluated round (mean over {n} seed{'s' * (n > 1)}"
+                 f"{', band: ±1 std' if n > 1 else ''})")
+    fig.tight_layout()
+    path = out / f"curves_{_safe(setting)}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return (f"Accuracy per round: {setting}", str(path),
+            "GM and PM at every evaluated round, one line per method (mean over seeds; band ±1 std). A star "
+            "marks the final evaluation of a method with post-training phases.")
+
+
+def _partition(run) -> dict:
+    return json.loads((run.dir / "partition.json").read_text())
+
+
+def per_class(rs, methods, setting, out: Path):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, m in enumerate(methods):
+        mine = [r for r in rs if r.method == m]
+        accs, counts = [], []
+        for r in mine:
+            g = next(iter(r.summary["final"]["global"].values()), None)
+            if g is None:
+                continue
+            pc = g["per_class"]
+            accs.append([np.nan if v is None else v for v in pc])
+            counts.append(_partition(r)["train_counts"])
+        if not accs:
+            continue
+        a = 100 * np.nanmean(np.array(accs, dtype=float), 0)
+        c = np.mean(np.array(counts, dtype=float), 0)
+        order = np.argsort(-c)
+        ax.plot(c[order], a[order], STYLES[i % len(STYLES)], color=f"C{i % 10}", ms=4, label=m)
+    c0 = np.array(_partition(rs[0])["train_counts"], dtype=float)
+    for cls, n in enumerate(c0):
+        ax.annotate(str(cls), (n, 0), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7,
+                    color="gray")
+    ax.set_xscale("log")
+    ax.set_xlabel("training samples of the class (log scale; class ids in gray)")
+    ax.set_ylabel("test accuracy of the class (%)")
+    ax.set_ylim(-3, 103)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{setting}: per-class GM accuracy vs. class size (final evaluation, mean over seeds)")
+    fig.tight_layout()
+    path = out / f"per_class_{_safe(setting)}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return (f"Per-class accuracy vs. training count: {setting}", str(path),
+            "Each point is one class: its test accuracy under the global model (first global mode, final "
+            "evaluation) against how many training samples it has; head classes on the right, tail on the left.")
+
+
+def _heads(run, num_classes: int) -> dict:
+    path = run.dir / "final_state.pt"
+    if not path.is_file():
+        return {}
+    obj = torch.load(path, weights_only=False, map_location="cpu")
+    return obj.get("heads") or {"server": head_like(obj.get("state", {}), num_classes)}
+
+
+def head_norms(rs, methods, setting, out: Path):
+    seed = min(r.seed for r in rs)
+    first = {r.method: r for r in rs if r.seed == seed}
+    methods = [m for m in methods if m in first]
+    if not methods:
+        return None
+    fig, axes = plt.subplots(len(methods), 2, figsize=(11, 3.2 * len(methods)), squeeze=False)
+    for row, m in enumerate(methods):
+        r = first[m]
+        part = _partition(r)
+        counts = np.array(part["train_counts"], dtype=float)
+        C = len(counts)
+        heads = _heads(r, C)
+        ax = axes[row, 0]
+        order = np.argsort(-counts)
+        drawn = 0
+        final = heads.get("server", {})
+        before = heads.get("server_before_phases", {})
+        for key, w in final.items():
+            ax.plot(counts[order], w.norm(dim=1).numpy()[order], "-o", ms=3, label=f"{key} (final)")
+            drawn += 1
+        for key, w in before.items():
+            if key in final and torch.equal(final[key], w):
+                continue
+            ax.plot(counts[order], w.norm(dim=1).numpy()[order], "--s", ms=3, label=f"{key} (before phases)")
+            drawn += 1
+        ax.set_xscale("log")
+        ax.set_title(f"{m}: server classifiers vs. global class count", fontsize=9)
+        ax.set_xlabel("training samples of the class (log)")
+        ax.set_ylabel("row norm ||w_c||")
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no classifier-like tensor in the server state", ha="center", transform=ax.transAxes)
+        ax.grid(alpha=0.3)
+        ax = axes[row, 1]
+        clients = heads.get("clients", {})
+        if clients:
+            cc = np.array(part["client_class_counts"], dtype=float)
+            cid = max(clients, key=lambda k: cc[int(k)].sum())
+            lc = cc[int(cid)]
+            order = np.argsort(-lc)
+            for key, w in clients[cid].items():
+                ax.plot(lc[order], w.norm(dim=1).numpy()[order], "-o", ms=3, label=key)
+            ax.set_xscale("symlog", linthresh=1)
+            ax.legend(fontsize=7)
+            ax.set_title(f"{m}: client {cid}'s own classifier vs. its class counts", fontsize=9)
+        else:
+            ax.text(0.5, 0.5, "no client-side classifier (clients keep no head)", ha="center",
+                    transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(f"{m}: local head", fontsize=9)
+        ax.set_xlabel("client's training samples of the class (symlog)")
+        ax.set_ylabel("row norm ||w_c||")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{setting}: classifier row norms per class (seed {seed})")
+    fig.tight_layout()
+    path = out / f"head_norms_{_safe(setting)}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return (f"Classifier row norms vs. class count: {setting}", str(path),
+            "The L2 norm of each class's row of every classifier-like weight (first dimension = number of "
+            "classes) in the final server state (solid), before the post-training phases where that differs "
+            "(dashed), and in the largest client's own state (right), against the class's training count.")
+
+
+def partition_heatmap(rs, methods, setting, out: Path):
+    r = min(rs, key=lambda r: r.seed)
+    cc = np.array(_partition(r)["client_class_counts"], dtype=float)
+    K, C = cc.shape
+    fig, ax = plt.subplots(figsize=(min(2 + 0.55 * C, 14), min(1.5 + 0.35 * K, 14)))
+    im = ax.imshow(np.log1p(cc), aspect="auto", cmap="viridis")
+    if K * C <= 400:
+        hi = np.log1p(cc).max() / 2
+        for k in range(K):
+            for c in range(C):
+                ax.text(c, k, f"{int(cc[k, c])}", ha="center", va="center", fontsize=7,
+                        color="white" if np.log1p(cc[k, c]) < hi else "black")
+    ax.set_xlabel("class")
+    ax.set_ylabel("client")
+    ax.set_xticks(range(C))
+    if K <= 40:
+        ax.set_yticks(range(K))
+    cb = fig.colorbar(im, ax=ax)
+    cb.set_label("log(1 + samples)")
+    ax.set_title(f"{setting}: training samples per client and class (seed {r.seed})")
+    fig.tight_layout()
+    path = out / f"partition_{_safe(setting)}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return (f"Partition: {setting}", str(path),
+            "Client-by-class training counts (every method of this setting and seed trains on exactly this "
+            "partition); color on a log scale, numbers are counts.")
