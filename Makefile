@@ -25,7 +25,7 @@ data:
 
 # A short federated long-tailed run: Fashion-MNIST-LT (rho 100), Dirichlet 0.5 over 20 clients.
 demo: setup data
-	$(BIN)/fedlt run --method fedavg --rounds 10 --eval-every 5 --out runs/demo
+	$(BIN)/fedlt run --method fedloge --rounds 10 --eval-every 5 --out runs/demo
 
 test: setup
 	$(BIN)/python -m pytest -q
