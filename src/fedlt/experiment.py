@@ -54,6 +54,8 @@ def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
     spec = make_spec(cfg, fed)
     cls = METHODS.get(cfg.method)
     method = cls(spec, cls.make_params(cfg.params))
+    if getattr(method, "needs_pool", False):  # the centralized reference trains on all clients' data pooled
+        method.pool = fed.pooled()
     return Prepared(cfg, fed, method, spec)
 
 
