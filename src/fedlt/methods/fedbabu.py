@@ -1,0 +1,68 @@
+"""FedBABU (Oh et al., ICLR 2022, "FedBABU: Toward Enhanced Representation for Federated Image Classification").
+
+Training: the head keeps its random initialisation for the whole of federated training; it is a pure function of
+the run seed, so every client builds the same one and it never needs sending. Client: E local epochs of CE
+updating the body only (the optimiser never holds the head, so neither momentum nor weight decay can move it).
+Server: FedAvg of the body only.
+Post-training phase ``finetune``: every client fine-tunes the whole model (body and head), starting from the
+final global body and the initial head, for ``finetune_epochs`` epochs of CE on its training data; the result
+is its personalized model and stays on the client.
+Inference: GM = final body + the initial head (meaningful, since the features were aligned to that head).
+PM = the fine-tuned model on the client's test set; before the fine-tuning phase, PM is the global model
+on the clients' test sets (labelled so in the output).
+
+Where paper and official code differ: the official code averages the bodies *unweighted* (it divides by the
+number of participants); the paper aggregates as FedAvg does, weighted by n_k -- the default here,
+``uniform=true`` gives the official code's. Fine-tuning: the official scripts use 5 epochs (``ft_ep``) with the
+training lr; PFLlib uses 10, FL-bench requires at least one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core import Message, load_weights, train_local, weighted_average, weights_of
+from ..core.personal import PartialSharing, personal_predictor
+from ..errors import ConfigError
+from ..models import head_keys
+from ..registry import METHODS
+
+
+@METHODS.register("fedbabu")
+class FedBABU(PartialSharing):
+    name = "fedbabu"
+    phases = ("finetune",)
+
+    @dataclass
+    class Params:
+        finetune_epochs: int = 5  # ft_ep of the official scripts
+        uniform: bool = False  # true: average bodies without weights, as the official code does
+
+    def __init__(self, spec, params=None):
+        super().__init__(spec, params)
+        if self.p.finetune_epochs < 0:
+            raise ConfigError("fedbabu: finetune_epochs must be >= 0")
+
+    def local_keys(self, model):
+        return head_keys(model)  # the fixed head: the client's copy of the common initial one
+
+    def train_client(self, net, data, gen):
+        return train_local(net, data, self.spec, gen, params=net.backbone.parameters())
+
+    def aggregate(self, state, rnd, replies):
+        if not self.p.uniform:
+            return super().aggregate(state, rnd, replies)
+        state["weights"] = {**state["weights"], **weighted_average([(r.arrays, 1.0) for _, r in replies])}
+        return state
+
+    # ---------------------------------------------------------------- post-training: personalization
+    def phase_client(self, phase, payload, cstate, data, gen):
+        net = self.net
+        load_weights(net, payload.arrays)
+        load_weights(net, cstate["local"])
+        stats = train_local(net, data, self.spec, gen, epochs=self.p.finetune_epochs)
+        return Message(meta={"num_examples": len(data), **stats}), {**cstate, "finetuned": weights_of(net)}
+
+    def personal_model(self, payload, cstate, data):
+        if "finetuned" not in cstate:
+            return None  # before the fine-tuning phase: the global model
+        return personal_predictor(self, cstate["finetuned"])
