@@ -10,6 +10,7 @@ ORDER = 30
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE.toml", help="the sweep file (see fedlt.experiments.sweep for its format)")
+    p.add_argument("--out", help="the sweep directory (default: the file's `out`, else runs/<file name>)")
     add_sweep_arguments(p)
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their status; run nothing")
@@ -51,4 +52,4 @@ def execute(sweep, args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     from ..experiments.sweep import load_sweep
 
-    return execute(load_sweep(args.file), args)
+    return execute(load_sweep(args.file, args.out), args)

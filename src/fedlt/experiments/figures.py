@@ -52,8 +52,9 @@ def all_figures(runs, methods: list[str], settings: list[str], out: Path) -> lis
     return figs
 
 
-def _evals(run) -> tuple[list[int], list[float | None], list[float | None], bool]:
-    rounds, gm, pm, phases = [], [], [], False
+def _evals(run) -> tuple[list[int], list[float | None], list[float | None], bool, list[str | None]]:
+    """Rounds, GM and PM of every evaluation (first global / personal mode), whether phases ran, the modes."""
+    rounds, gm, pm, phases, modes = [], [], [], False, [None, None]
     path = run.dir / "metrics.jsonl"
     for line in path.read_text().splitlines() if path.is_file() else []:
         rec = json.loads(line)
@@ -62,17 +63,21 @@ def _evals(run) -> tuple[list[int], list[float | None], list[float | None], bool
         if "eval" not in rec:
             continue
         ev = rec["eval"]
+        modes = [next(iter(ev["global"]), None), next(iter(ev["personal"]), None)]
         rounds.append(rec["round"])
         gm.append(next(iter(ev["global"].values()), {}).get("acc"))  # no global model: no GM
         pm.append(next(iter(ev["personal"].values()))["acc"] if ev["personal"] else None)
-    return rounds, gm, pm, phases
+    return rounds, gm, pm, phases, modes
 
 
-def _final(run) -> tuple[float | None, float | None]:
+def _final(run) -> tuple[tuple[str, float] | None, tuple[str, float] | None]:
+    """(mode, accuracy) of the final evaluation's first global and first personal mode."""
     fin = run.summary["final"]
-    g = next(iter(fin["global"].values()), {}).get("acc")
-    p = next(iter(fin["personal"].values()), {}).get("acc") if fin["personal"] else None
-    return g, p
+    out = []
+    for side in ("global", "personal"):
+        mode = next(iter(fin[side]), None)
+        out.append(None if mode is None or fin[side][mode].get("acc") is None else (mode, fin[side][mode]["acc"]))
+    return out[0], out[1]
 
 
 def curves(rs, methods, setting, out: Path):
@@ -88,21 +93,24 @@ def curves(rs, methods, setting, out: Path):
                 continue
             a = 100 * np.array(vals, dtype=float)
             mu = a.mean(0)
-            ax.plot(rounds, mu, STYLES[i % len(STYLES)], color=color, ms=4, label=m)
+            mode = series[0][4][k]
+            ax.plot(rounds, mu, STYLES[i % len(STYLES)], color=color, ms=4,
+                    label=m if mode in (None, "global", "personal") else f"{m} [{mode}]")
             if len(a) > 1:
                 sd = a.std(0, ddof=1)
                 ax.fill_between(rounds, mu - sd, mu + sd, color=color, alpha=0.15)
             if any(s[3] for s in series):  # a post-training phase: its final evaluation is another point
                 fv = [f[k] for f in finals if f[k] is not None]
                 if fv:
-                    ax.plot([rounds[-1]], [100 * np.mean(fv)], "*", color=color, ms=12,
-                            label=f"{m} after phases")
+                    ax.plot([rounds[-1]], [100 * np.mean([v for _, v in fv])], "*", color=color, ms=12,
+                            label=f"{m} [{fv[0][0]}] after phases")
     for ax, name in zip(axes, ("GM (balanced test set)", "PM (clients' own test sets)")):
         ax.set_xlabel("round")
         ax.set_ylabel("accuracy (%)")
         ax.set_title(name)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ax.legend(fontsize=8)
     n = len({r.seed for r in rs})
     fig.suptitle(f"{setting}: accuracy per evaluated round (mean over {n} seed{'s' * (n > 1)}"
                  f"{', band: ±1 std' if n > 1 else ''})")
@@ -111,8 +119,9 @@ def curves(rs, methods, setting, out: Path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return (f"Accuracy per round: {setting}", str(path),
-            "GM and PM at every evaluated round, one line per method (mean over seeds; band ±1 std). A star "
-            "marks the final evaluation of a method with post-training phases.")
+            "GM and PM at every evaluated round, one line per method (mean over seeds; band ±1 std), in the "
+            "method's first inference mode [in brackets where it has several]. A star marks the final evaluation "
+            "of a method with post-training phases, in its first mode after them.")
 
 
 def _partition(run) -> dict:

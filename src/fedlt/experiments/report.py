@@ -83,6 +83,16 @@ def headline_metrics(summary: dict, which: str = "last3") -> dict[str, float | N
     raise ConfigError(f"unknown metric {which!r}; choose last3 or final")
 
 
+def headline_modes(summary: dict, which: str = "last3") -> tuple[str | None, str | None]:
+    """The inference modes behind GM and PM (e.g. ``universal``, ``phi+psi``)."""
+    if which == "last3":
+        keys = list(summary.get("last3", {}))
+        pick = [next((k[3:].split("]")[0] for k in keys if k.startswith(p)), None) for p in ("GM[", "PM[")]
+        return pick[0], pick[1]
+    fin = summary["final"]
+    return next(iter(fin["global"]), None), next(iter(fin["personal"]), None)
+
+
 def collect(root: str | Path) -> tuple[list[Run], list[str], list[str]]:
     """The runs under ``root`` and the method (row) and setting (column) order."""
     root = Path(root)
@@ -277,6 +287,12 @@ def write_report(root: str | Path, out: str | Path | None = None, which: str = "
              "test set, PM the mean over clients of the personalized model on the client's own test set (the "
              "global model where a method has none). Best per column in **bold**.", "",
              "## GM and PM per setting", "", main_md, ""]
+    modes = {}
+    for r in runs:
+        if r.summary is not None:
+            modes.setdefault(r.method, headline_modes(r.summary, which))
+    lines += ["Inference mode behind each number (GM / PM): " +
+              "; ".join(f"{m}: {g or '-'} / {p or '-'}" for m, (g, p) in modes.items()) + ".", ""]
     if unfinished:
         lines += ["Not finished (left out of the tables): " +
                   ", ".join(f"{r.setting}/{r.method}/seed{r.seed}" for r in unfinished), ""]
