@@ -1,0 +1,142 @@
+"""fedlt flower: run fedlt methods on Flower (a SuperLink, SuperNodes and `flwr run`), or in one process.
+
+    fedlt flower superlink --insecure                      # tests on 127.0.0.1; across machines: --ssl-*
+    fedlt flower supernode --superlink 127.0.0.1:9093 --partition-id 0 --insecure
+    fedlt flower run --superlink 127.0.0.1:9093 --insecure --method fedloge --clients 2 ...
+    fedlt flower inprocess --method fedloge ...            # the same apps in one process (no network)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .run import add_config_arguments, config_from_args
+
+NAME = "flower"
+HELP = "run a method on Flower: superlink, supernode, app, run (flwr run), inprocess"
+ORDER = 60
+
+
+def _flower_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Flower")
+    g.add_argument("--round-timeout", type=float,
+                   help="seconds a round/phase/evaluation waits for replies; later clients count as missing (600)")
+    g.add_argument("--wait-timeout", type=float, help="seconds the run waits at the start for its SuperNodes (300)")
+
+
+def _flower_kw(args) -> dict:
+    return {"round_timeout": args.round_timeout, "wait_timeout": args.wait_timeout}
+
+
+def _connection_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection to the SuperLink")
+    g.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    g.add_argument("--insecure", action="store_true", help="no TLS (tests on 127.0.0.1 only)")
+    g.add_argument("--root-certificates", metavar="CA.crt", help="CA certificate that signed the SuperLink's")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="flower_command", required=True)
+
+    s = sub.add_parser("superlink", help="start a Flower SuperLink (fedlt defaults: no telemetry, no runtime "
+                                         "dependency installation)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 with TLS "
+                                                        "to accept other machines)")
+    s.add_argument("--port", type=int, default=9093, help="port of the SuperLink's HTTP APIs (default 9093)")
+    s.add_argument("--database", help="SQLite file that keeps the SuperLink's state (default: in memory)")
+    s.add_argument("--insecure", action="store_true", help="no TLS (tests on 127.0.0.1 only)")
+    s.add_argument("--ssl-ca-certfile", help="CA certificate (PEM)")
+    s.add_argument("--ssl-certfile", help="the SuperLink's certificate (PEM, with its host name / IP as SAN)")
+    s.add_argument("--ssl-keyfile", help="the SuperLink's private key (PEM)")
+    s.add_argument("--supernode-auth", action="store_true",
+                   help="admit only SuperNodes registered with `flwr supernode register KEY.pub <connection>`")
+    s.add_argument("--allow-runtime-dependency-installation", action="store_true",
+                   help="let the SuperLink `uv sync` each app's dependencies (off by default)")
+
+    n = sub.add_parser("supernode", help="start a Flower SuperNode that serves one client's data")
+    n.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    n.add_argument("--partition-id", type=int, help="serve client K of the run's fedlt partition (trials)")
+    n.add_argument("--data-dir", help="serve the client's own data: DIR/train.npz (x, y), optional DIR/test.npz")
+    n.add_argument("--client-id", type=int, help="with --data-dir: this client's number, 0..clients-1")
+    n.add_argument("--state-dir", help="also keep the client state here, so it survives a SuperNode restart")
+    n.add_argument("--device", help="torch device for this client (default: the run's)")
+    n.add_argument("--host", default="127.0.0.1", help="host of the SuperNode's own Runtime API (default 127.0.0.1)")
+    n.add_argument("--port", type=int, help="port of the SuperNode's own Runtime API (default 9094 + client id)")
+    n.add_argument("--insecure", action="store_true", help="no TLS (tests on 127.0.0.1 only)")
+    n.add_argument("--root-certificates", metavar="CA.crt", help="CA certificate that signed the SuperLink's")
+    n.add_argument("--auth-key", metavar="KEY", help="private EC key (OpenSSH format) registered on the SuperLink")
+    n.add_argument("--max-retries", type=int, help="give up after this many failed connection attempts")
+    n.add_argument("--max-wait-time", type=float, help="give up after this many seconds without a connection")
+
+    a = sub.add_parser("app", help="write a Flower App directory (pyproject.toml) for `flwr run`")
+    a.add_argument("--app-dir", required=True, help="folder to write")
+    add_config_arguments(a)
+    _flower_options(a)
+
+    r = sub.add_parser("run", help="write the Flower App and submit it with `flwr run` to a SuperLink")
+    r.add_argument("--app-dir", help="where to write the app (default: a temporary folder)")
+    _connection_options(r)
+    r.add_argument("--no-stream", action="store_true", help="submit and return (default: follow the run's log)")
+    add_config_arguments(r)
+    _flower_options(r)
+
+    i = sub.add_parser("inprocess", help="run the Flower ServerApp and ClientApps in this process (no network)")
+    add_config_arguments(i)
+    _flower_options(i)
+
+
+def _exec(argv: list[str], env: dict) -> int:
+    """Replace this process with the Flower program (signals then reach it directly)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, env)
+    return 0  # not reached
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..flower import require_flwr
+
+    require_flwr()
+    from ..flower import deploy
+
+    cmd = args.flower_command
+    if cmd == "superlink":
+        argv = deploy.superlink_argv(args.host, args.port, args.database, args.insecure, args.ssl_ca_certfile,
+                                     args.ssl_certfile, args.ssl_keyfile, args.supernode_auth,
+                                     args.allow_runtime_dependency_installation)
+        return _exec(argv, deploy.flower_env(args.allow_runtime_dependency_installation))
+    if cmd == "supernode":
+        argv = deploy.supernode_argv(args.superlink, args.partition_id, args.data_dir, args.client_id, args.state_dir,
+                                     args.device, args.host, args.port, args.insecure, args.root_certificates,
+                                     args.auth_key, args.max_retries, args.max_wait_time)
+        return _exec(argv, deploy.flower_env())
+    cfg = config_from_args(args)
+    if cmd == "app":
+        path = deploy.write_app(args.app_dir, cfg, **_flower_kw(args))
+        print(f"wrote {path / 'pyproject.toml'}; run it with: flwr run {path} <connection>  (or fedlt flower run)")
+        return 0
+    if cmd == "run":
+        app_dir = Path(args.app_dir or tempfile.mkdtemp(prefix="fedlt-flower-app-"))
+        deploy.write_app(app_dir, cfg, **_flower_kw(args))
+        env = deploy.flower_env()
+        env["FLWR_HOME"] = tempfile.mkdtemp(prefix="fedlt-flwr-home-")  # never touch the user's ~/.flwr
+        deploy.write_connection(env["FLWR_HOME"], args.superlink, insecure=args.insecure,
+                                root_certificates=args.root_certificates)
+        argv = deploy.flwr_run_argv(app_dir, stream=not args.no_stream)
+        print(f"fedlt: {' '.join(argv)}  (FLWR_HOME={env['FLWR_HOME']}; run directory under {Path(cfg.out).resolve()})",
+              flush=True)
+        try:
+            return subprocess.call(argv, env=env)
+        finally:
+            shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)
+    if cmd == "inprocess":
+        from ..flower.inprocess import run_inprocess
+
+        run_inprocess(cfg, **{k: v for k, v in _flower_kw(args).items() if v is not None})
+        return 0
+    raise AssertionError(cmd)

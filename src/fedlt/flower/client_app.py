@@ -1,0 +1,261 @@
+"""The one generic fedlt ClientApp: it runs any registered method's client hooks on a SuperNode's data.
+
+Messages it answers (every server message carries a ``fedlt`` ConfigRecord with the run's settings, so a
+client needs nothing but its data and this package):
+
+======================  ==========================================================================
+message type            what the client does
+======================  ==========================================================================
+``query.describe``      says who it is: client id, training label counts, test-set size
+``train``               ``method.local_train(payload, cstate, data, gen)``, gen = the simulation's
+                        (round, client) generator
+``train.phase``         ``method.phase_client(name, payload, cstate, data, gen)`` (a post-training
+                        phase, e.g. a realignment or fine-tuning, one message per phase)
+``evaluate``            personalized evaluation on its own test set:
+                        ``method.personal_model(eval_payload, cstate, data)`` -> accuracy reports
+======================  ==========================================================================
+
+Where the data comes from (the SuperNode's ``--node-config``):
+
+- ``partition-id=K``: client K of the fedlt federation the run's settings describe (dataset, long-tail,
+  partition, seed): for trials, the very clients of a simulation.
+- ``data-dir=DIR client-id=K``: the client's own data, ``DIR/train.npz`` (arrays ``x``, ``y``) and optionally
+  ``DIR/test.npz`` (its personal test set), images shaped like the run's dataset; for real use.
+- optional ``state-dir=DIR``: the client state is also written there after every message, so it survives a
+  SuperNode restart; ``device=cuda`` to train on the node's GPU.
+
+The client state (personal heads, personal models, control variates) lives in ``context.state`` and never
+enters a reply.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Context, Message as FlwrMessage, RecordDict
+from flwr.clientapp import ClientApp
+
+from ..config import RunConfig
+from ..core.api import Method, RunSpec
+from ..data.federated import ClientData, Prep
+from ..engine.simulation import PHASE, TRAIN, client_generator
+from ..errors import ConfigError, DataError
+from ..metrics import client_reports, client_split
+from ..registry import METHODS
+from .records import control, from_records, load_client_state, records_value, save_client_state, to_records
+
+app = ClientApp()
+
+
+# ------------------------------------------------------------------------- the run, as the server sent it
+@dataclass
+class Job:
+    """What one server message says about the run: settings, model spec and input normalisation."""
+
+    cfg: RunConfig
+    spec: RunSpec
+    prep: dict
+
+    @classmethod
+    def parse(cls, text: str) -> "Job":
+        d = json.loads(text)
+        cfg = RunConfig(**d["config"])
+        spec_d = dict(d["spec"], in_shape=tuple(d["spec"]["in_shape"]))
+        spec = RunSpec(**{f.name: spec_d[f.name] for f in fields(RunSpec) if f.name in spec_d})
+        return cls(cfg, spec, d["prep"])
+
+
+def job_text(cfg: RunConfig, spec: RunSpec, prep: Prep) -> str:
+    """The ``run`` field of every server message (the counterpart of :meth:`Job.parse`)."""
+    spec_d = {f.name: getattr(spec, f.name) for f in fields(RunSpec)}
+    spec_d["cache_dir"] = None  # a path on the server means nothing on a client
+    return json.dumps({"config": cfg.to_dict(), "spec": spec_d,
+                       "prep": {"mean": list(prep.mean), "std": list(prep.std), "augment": prep.augment}},
+                      sort_keys=True)
+
+
+# ------------------------------------------------------------------------- per-process caches
+# Deterministic objects only (the method object, data): never a client's state, which is in context.state.
+_METHODS: dict[str, Method] = {}
+_DATA: dict[tuple, ClientData] = {}
+_FEDS: dict[str, Any] = {}
+
+
+def node_setting(context: Context, key: str, default=None):
+    v = context.node_config.get(key, default)
+    return default if v == "" else v
+
+
+def _method(job: Job, device: str) -> Method:
+    key = json.dumps([job.cfg.method, job.cfg.params, job.spec.__dict__, device], sort_keys=True, default=str)
+    if key not in _METHODS:
+        spec = RunSpec(**{**job.spec.__dict__, "device": device, "cache_dir": os.environ.get("FEDLT_CACHE")})
+        cls = METHODS.get(job.cfg.method)
+        _METHODS[key] = cls(spec, cls.make_params(job.cfg.params))
+    return _METHODS[key]
+
+
+def _partition_client(job: Job, pid: int, device: str) -> ClientData:
+    from ..experiment import federation_for
+
+    cfg = job.cfg
+    if not 0 <= pid < cfg.clients:
+        raise ConfigError(f"partition-id {pid} is outside the run's {cfg.clients} clients; use 0..{cfg.clients - 1}")
+    key = json.dumps([cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes, cfg.n_max,
+                      cfg.partition, cfg.partition_kw(), cfg.clients, cfg.seed, device], sort_keys=True, default=str)
+    if key not in _FEDS:
+        _FEDS[key] = federation_for(RunConfig(**{**cfg.to_dict(), "device": device}))
+    return _FEDS[key].clients[pid]
+
+
+def load_client_dir(path: str, cid: int, spec: RunSpec, prep: Prep) -> ClientData:
+    """A client's own data: ``train.npz`` (and optionally ``test.npz``) with ``x`` (images shaped like the run's
+    dataset, uint8 or float) and ``y`` (integer labels)."""
+    def read(name, required):
+        f = Path(path) / name
+        if not f.is_file():
+            if required:
+                raise DataError(f"{f} not found: a client data directory holds train.npz (arrays x, y) and "
+                                f"optionally test.npz")
+            return None
+        try:
+            with np.load(f) as z:
+                x, y = z["x"], z["y"].astype(np.int64)
+        except (OSError, KeyError, ValueError) as e:
+            raise DataError(f"{f} is not a readable npz with arrays x and y: {e}") from None
+        if x.ndim == 3:
+            x = x[:, None]
+        if tuple(x.shape[1:]) != tuple(spec.in_shape) or len(x) != len(y):
+            raise DataError(f"{f}: x has shape {x.shape} and y {y.shape}; the run expects [N, "
+                            f"{', '.join(map(str, spec.in_shape))}] images and N labels")
+        if len(y) and (y.min() < 0 or y.max() >= spec.num_classes):
+            raise DataError(f"{f}: labels must be in 0..{spec.num_classes - 1}")
+        return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
+
+    x, y = read("train.npz", True)
+    test = read("test.npz", False)
+    tx, ty = test if test is not None else (x[:0], y[:0])
+    return ClientData(cid, x, y, spec.num_classes, prep, tx, ty, np.arange(len(ty)))
+
+
+@dataclass
+class Node:
+    """One SuperNode's view of the run: its client id, data and the method object."""
+
+    cid: int
+    data: ClientData
+    method: Method
+    job: Job
+    state_dir: str | None
+    run_id: int
+
+    @classmethod
+    def of(cls, msg: FlwrMessage, context: Context) -> "Node":
+        job = Job.parse(str(control(msg.content)["run"]))
+        if job.cfg.threads:
+            torch.set_num_threads(job.cfg.threads)
+        device = str(node_setting(context, "device", job.spec.device))
+        method = _method(job, device)
+        pid, data_dir = node_setting(context, "partition-id"), node_setting(context, "data-dir")
+        if pid is not None:
+            cid = int(pid)
+            key = ("partition", cid, device)
+            _DATA[key] = _partition_client(job, cid, device)  # cached per federation inside
+        elif data_dir is not None:
+            if node_setting(context, "client-id") is None:
+                raise ConfigError("a SuperNode with data-dir also needs client-id=K in --node-config")
+            cid = int(node_setting(context, "client-id"))
+            key = ("dir", cid, device, str(data_dir), repr(job.prep), job.spec.in_shape)
+            if key not in _DATA:
+                prep = Prep(tuple(job.prep["mean"]), tuple(job.prep["std"]), job.prep["augment"], device)
+                _DATA[key] = load_client_dir(str(data_dir), cid, method.spec, prep)
+        else:
+            raise ConfigError("the SuperNode's --node-config needs partition-id=K (a client of the fedlt "
+                              "partition) or data-dir=DIR client-id=K (its own data)")
+        return cls(cid, _DATA[key], method, job, node_setting(context, "state-dir"), int(context.run_id))
+
+    def client_state(self, context: Context) -> dict:
+        cstate = load_client_state(context.state, self.cid, self.state_dir, self.run_id)
+        if cstate is None:
+            cstate = self.method.init_client(self.cid, self.data)
+            self.save(context, cstate)
+        return cstate
+
+    def save(self, context: Context, cstate: dict) -> None:
+        save_client_state(context.state, cstate, self.cid, self.state_dir, self.run_id)
+
+    def reply(self, msg: FlwrMessage, fm=None, **fields_) -> FlwrMessage:
+        from ..core.api import Message as FedltMessage
+
+        rd = to_records(fm if fm is not None else FedltMessage(), {"client-id": self.cid, **fields_}, "reply")
+        return FlwrMessage(rd, reply_to=msg)
+
+
+# ------------------------------------------------------------------------- handlers
+@app.query("describe")
+def describe(msg: FlwrMessage, context: Context) -> FlwrMessage:
+    node = Node.of(msg, context)
+    return node.reply(msg, counts=[int(c) for c in node.data.counts], **{"test-size": len(node.data.test_y),
+                                                                          "num-examples": len(node.data)})
+
+
+@app.train()
+def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
+    node = Node.of(msg, context)
+    rnd = int(control(msg.content)["round"])
+    gen = client_generator(node.job.cfg.seed, TRAIN, rnd, node.cid)
+    reply, cstate = node.method.local_train(from_records(msg.content), node.client_state(context), node.data, gen)
+    node.save(context, cstate)
+    return node.reply(msg, reply)
+
+
+@app.train("phase")
+def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
+    node = Node.of(msg, context)
+    ctl = control(msg.content)
+    name, index = str(ctl["phase"]), int(ctl["index"])
+    gen = client_generator(node.job.cfg.seed, PHASE, index, node.cid)
+    reply, cstate = node.method.phase_client(name, from_records(msg.content), node.client_state(context),
+                                             node.data, gen)
+    node.save(context, cstate)
+    return node.reply(msg, reply)
+
+
+@app.evaluate()
+def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
+    """PM on the client's own test set; the reports go back as JSON (accuracy, per class, many/medium/few)."""
+    node = Node.of(msg, context)
+    ctl = control(msg.content)
+    cstate = node.client_state(context)
+    if len(node.data.test_y) == 0:
+        return node.reply(msg, source="none", reports="{}")
+    m = node.method
+    pp = m.personal_model(from_records(msg.content), cstate, node.data)
+    source = "personal"
+    if pp is None:
+        if "fedlt.global" not in msg.content:
+            return node.reply(msg, source="needs-global", reports="{}")
+        gm = m.global_model(records_value(msg.content["fedlt.global"], msg.content["fedlt.global.arrays"]))
+        if gm is None:
+            raise ConfigError(f"method {m.name} has neither a global nor a personal model")
+        pp, source = {"global": next(iter(gm.values())) if isinstance(gm, dict) else gm}, "global"
+    gsplit = {g: np.asarray(v, dtype=np.int64) for g, v in json.loads(str(ctl["gsplit"])).items()}
+    csplit = client_split(node.data.counts, str(ctl["split"]), gsplit)
+    reports = client_reports(pp, node.data, m.spec.num_classes, csplit)
+    return node.reply(msg, source=source, reports=json.dumps(reports))
+
+
+def global_state_records(state: dict) -> RecordDict:
+    """The server state sent to clients that evaluate PM with the global model (methods without a personal
+    model): the records ``fedlt.global`` / ``fedlt.global.arrays``."""
+    from .records import value_records
+
+    cfg, arr = value_records(state, "server state")
+    return RecordDict({"fedlt.global": cfg, "fedlt.global.arrays": arr})
+
+

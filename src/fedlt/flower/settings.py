@@ -1,0 +1,69 @@
+"""A fedlt RunConfig <-> Flower's flat run config (``[tool.flwr.app.config]``, ``flwr run --run-config``).
+
+Every RunConfig field is a key with ``-`` for ``_`` (``local-epochs = 2``); an unset optional field is ``""``;
+method parameters are ``params.<name>``; the Flower engine's own settings are ``flower.<name>``:
+
+- ``flower.round-timeout`` (s, default 600): how long a round (or a phase, or an evaluation) waits for replies;
+  a client that has not answered by then is recorded as missing and the round goes on without it.
+- ``flower.wait-timeout`` (s, default 300): how long the run waits at the start for all its SuperNodes.
+- ``flower.poll-interval`` (s, default 0.5): how often the server asks the SuperLink for replies.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..config import FIELDS, RunConfig, load_config
+from ..errors import ConfigError
+
+FLOWER_DEFAULTS = {"round-timeout": 600.0, "wait-timeout": 300.0, "poll-interval": 0.5}
+
+
+def to_run_config(cfg: RunConfig, **flower: Any) -> dict[str, Any]:
+    """The nested dict for ``[tool.flwr.app.config]`` (Flower flattens ``params`` / ``flower`` with dots)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(RunConfig):
+        if f.name == "params":
+            continue
+        v = getattr(cfg, f.name)
+        out[f.name.replace("_", "-")] = "" if v is None else v
+    out["params"] = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in cfg.params.items()}
+    opts = {**FLOWER_DEFAULTS, **{k.replace("_", "-"): float(v) for k, v in flower.items() if v is not None}}
+    unknown = set(opts) - set(FLOWER_DEFAULTS)
+    if unknown:
+        raise ConfigError(f"unknown Flower setting(s) {sorted(unknown)}; known: {sorted(FLOWER_DEFAULTS)}")
+    out["flower"] = opts
+    return out
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def from_run_config(run_config: dict[str, Any]) -> tuple[RunConfig, dict[str, float]]:
+    """(RunConfig, Flower settings) from a context's run config (flat, dotted keys), validated."""
+    over: dict[str, Any] = {}
+    params: dict[str, Any] = {}
+    flower = dict(FLOWER_DEFAULTS)
+    for key, v in run_config.items():
+        if key.startswith("params."):
+            params[key[len("params."):]] = v
+        elif key.startswith("flower."):
+            name = key[len("flower."):]
+            if name not in FLOWER_DEFAULTS:
+                raise ConfigError(f"unknown Flower setting {key!r}; known: "
+                                  f"{', '.join('flower.' + k for k in FLOWER_DEFAULTS)}")
+            flower[name] = float(v)
+        else:
+            name = key.replace("-", "_")
+            if name not in FIELDS or name == "params":
+                raise ConfigError(f"unknown run setting {key!r} in the Flower run config; see `fedlt run --help`")
+            over[name] = None if v == "" else v
+    over["params"] = params
+    return load_config(None, over), flower

@@ -1,0 +1,331 @@
+"""The fedlt strategy: one Flower ``Strategy`` that drives any registered method's server hooks.
+
+:meth:`FedltStrategy.run` is the whole protocol of a fedlt run on a Flower ``Grid`` (in-process, or the
+SuperLink's), mirroring ``fedlt.engine.Simulation`` step for step:
+
+1. ``query.describe`` to every SuperNode: each says its client id, label counts and test-set size; the run
+   waits until the run's ``clients`` distinct ids are there (``wait_timeout``), then writes ``config.json``
+   and ``partition.json``. SuperNodes that appear later (a restart) are described at the start of a round.
+2. every round: the clients of the simulation's sampling schedule (same seed, same stream) each get
+   ``method.configure(state, rnd, cid)`` as a ``train`` message; the replies that come back within
+   ``round_timeout`` (failed or silent clients are recorded in ``missing``) are passed, in client-id order,
+   to ``method.aggregate``. Every ``eval_every`` rounds: GM on the server (balanced test set), PM on the
+   clients (an ``evaluate`` message with ``method.eval_payload``), aggregated as the simulation does.
+3. each post-training phase in ``method.phases``: one ``train.phase`` message to every client, then
+   ``method.phase_aggregate``.
+4. a final evaluation; ``metrics.jsonl`` and ``summary.json`` as a simulation writes them, plus the missing
+   clients of every round.
+
+The classic ``Strategy.start`` also works (training rounds and the per-round evaluation through
+``configure_*`` / ``aggregate_*``), but only :meth:`run` does the phases and writes the run directory.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message as FlwrMessage, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from ..config import RunConfig
+from ..core.api import Message, Method
+from ..data import Federation
+from ..data.datasets import load_dataset
+from ..data.federated import Prep
+from ..engine.simulation import clients_per_round, sampling_schedule
+from ..errors import ConfigError
+from ..experiment import _jsonable, format_summary, make_spec, mean_last, run_dir_for, write_json
+from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
+from ..registry import METHODS
+from .client_app import global_state_records, job_text
+from .records import control, from_records, to_records
+
+
+class FedltStrategy(Strategy):
+    """Server side of a fedlt run on Flower. ``state`` is the method's server state; nothing about a
+    specific method is known here."""
+
+    def __init__(self, cfg: RunConfig, round_timeout: float = 600.0, wait_timeout: float = 300.0,
+                 poll_interval: float = 0.5, echo: Callable[[str], None] = print, progress: bool = False):
+        self.cfg, self.round_timeout, self.wait_timeout = cfg, float(round_timeout), float(wait_timeout)
+        self.poll_interval, self.echo = float(poll_interval), echo
+        ds = load_dataset(cfg.dataset, cfg.data_dir)
+        self.prep = Prep(ds.mean, ds.std, ds.augment, cfg.device)
+        self.fed = Federation(ds, [], np.zeros(ds.num_classes, np.int64), np.zeros((0, ds.num_classes), np.int64),
+                              self.prep, {})
+        self.spec = make_spec(cfg, self.fed)
+        cls = METHODS.get(cfg.method)
+        if getattr(cls, "needs_pool", False):
+            raise ConfigError(f"method {cfg.method} trains on all clients' data pooled in one place, which a "
+                              f"federation of SuperNodes does not have; run it with `fedlt run`")
+        self.method: Method = cls(self.spec, cls.make_params(cfg.params))
+        self.job = job_text(cfg, self.spec, self.prep)
+        self.state = self.method.init_server()
+        K = cfg.clients
+        self.schedule = sampling_schedule(K, clients_per_round(K, cfg.participation), cfg.rounds, cfg.seed)
+        self.nodes: dict[int, int] = {}  # client id -> node id (the latest SuperNode that said it is that client)
+        self.described: set[int] = set()  # node ids that said who they are
+        self.failed_nodes: dict[int, str] = {}  # node id -> why its describe failed (it is asked again)
+        self.info: dict[int, dict] = {}  # client id -> its describe reply
+        self.history: list[dict] = []
+        self.missing: dict[str, list[int]] = {}  # "round 3" / "phase la-fr" / "eval 5" -> client ids
+        self.log: Callable[[dict], None] = lambda rec: None
+
+    # ------------------------------------------------------------------ messaging
+    def _message(self, content: RecordDict | Message, cid: int, mtype: str, ctl: dict, group: str) -> FlwrMessage:
+        rd = content if isinstance(content, RecordDict) else to_records(content, what="payload")
+        rd["fedlt"] = ConfigRecord({"run": self.job, "client-id": int(cid), **ctl})
+        return FlwrMessage(rd, dst_node_id=self.nodes[cid], message_type=mtype, group_id=group,
+                           ttl=max(self.round_timeout, 1.0) + 60.0)
+
+    def exchange(self, grid: Grid, msgs: dict[int, FlwrMessage], timeout: float) -> tuple[dict, dict]:
+        """Send one message per client and wait (at most ``timeout`` s) for the replies.
+        Returns ({cid: reply RecordDict}, {cid: why it is missing})."""
+        cids = list(msgs)
+        ids = list(grid.push_messages([msgs[c] for c in cids]))
+        pending = {mid: cid for mid, cid in zip(ids, cids) if mid}
+        why = {cid: "the message could not be pushed" for mid, cid in zip(ids, cids) if not mid}
+        got: dict[int, RecordDict] = {}
+        end = time.monotonic() + timeout
+        while pending:
+            for r in grid.pull_messages(list(pending)):
+                cid = pending.pop(r.metadata.reply_to_message_id, None)
+                if cid is None:
+                    continue
+                if r.has_error():
+                    why[cid] = f"error {r.error.code}: {(r.error.reason or '').strip().splitlines()[-1:]}"
+                else:
+                    got[cid] = r.content
+            if not pending or time.monotonic() >= end:
+                break
+            time.sleep(self.poll_interval)
+        for cid in pending.values():
+            why[cid] = f"no reply within {timeout:g} s"
+        return got, why
+
+    def connect(self, grid: Grid, wait: bool = True) -> None:
+        """Describe the SuperNodes not asked yet; with ``wait``, until all the run's clients are known."""
+        K = self.cfg.clients
+        end = time.monotonic() + self.wait_timeout
+        while True:
+            new = [n for n in grid.get_node_ids() if n not in self.described]
+            if new:
+                msgs = {}
+                for i, n in enumerate(new):  # keyed by a placeholder until the node says who it is
+                    rd = RecordDict({"fedlt": ConfigRecord({"run": self.job})})
+                    msgs[-1 - i] = FlwrMessage(rd, dst_node_id=n, message_type="query.describe", group_id="describe",
+                                               ttl=self.wait_timeout + 60.0)
+                got, why = self.exchange(grid, msgs, min(self.round_timeout, max(end - time.monotonic(), 1.0)))
+                for key, reason in why.items():
+                    self.failed_nodes[new[-1 - key]] = reason
+                for key, rd in got.items():
+                    node = new[-1 - key]
+                    ctl = control(rd)
+                    cid = int(ctl["client-id"])
+                    if not 0 <= cid < K:
+                        raise ConfigError(f"SuperNode {node} says it is client {cid}, but the run has {K} clients "
+                                          f"(0..{K - 1}); fix its partition-id / client-id or the run's clients")
+                    self.described.add(node)
+                    if cid in self.nodes and self.nodes[cid] != node:
+                        self.echo(f"client {cid} is now on SuperNode {node} (was {self.nodes[cid]})")
+                    self.nodes[cid] = node
+                    self.info[cid] = {"counts": [int(c) for c in ctl["counts"]], "test_size": int(ctl["test-size"]),
+                                      "num_examples": int(ctl["num-examples"])}
+            if not wait or len(self.nodes) >= K:
+                return
+            if time.monotonic() >= end:
+                have = sorted(self.nodes)
+                failed = "".join(f"; SuperNode {n}: {r}" for n, r in self.failed_nodes.items() if n not in self.described)
+                raise ConfigError(f"only {len(have)} of {K} clients connected within {self.wait_timeout:g} s "
+                                  f"(clients {have}); start a SuperNode for each of 0..{K - 1} or raise wait-timeout"
+                                  + failed)
+            time.sleep(self.poll_interval)
+
+    def _counts(self) -> None:
+        K, C = self.cfg.clients, self.fed.num_classes
+        counts = np.zeros((K, C), np.int64)
+        for cid, inf in self.info.items():
+            counts[cid] = inf["counts"]
+        self.fed.counts, self.fed.train_counts = counts, counts.sum(0)
+
+    # ------------------------------------------------------------------ Flower Strategy interface
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[FlwrMessage]:
+        return list(self._train_messages(server_round).values())
+
+    def _train_messages(self, rnd: int) -> dict[int, FlwrMessage]:
+        m = self.method
+        return {cid: self._message(m.configure(self.state, rnd, cid), cid, "train", {"round": rnd}, str(rnd))
+                for cid in self.schedule[rnd - 1] if cid in self.nodes}
+
+    def aggregate_train(self, server_round: int, replies: Iterable[FlwrMessage]):
+        got = {int(control(r.content)["client-id"]): r.content for r in replies if not r.has_error()}
+        self._aggregate(server_round, got)
+        w = self.state.get("weights") if isinstance(self.state, dict) else None
+        return (ArrayRecord(dict(w)) if w else None), MetricRecord({"clients": len(got)})
+
+    def _aggregate(self, rnd: int, got: dict[int, RecordDict]) -> list[tuple[int, Message]]:
+        replies = [(cid, from_records(got[cid])) for cid in sorted(got)]
+        if replies:  # a round nobody answered leaves the state as it was
+            self.state = self.method.aggregate(self.state, rnd, replies)
+        return replies
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[FlwrMessage]:
+        c = self.cfg
+        if server_round % c.eval_every and server_round != c.rounds:
+            return []
+        return list(self._eval_messages(list(self.nodes), with_global=not self.method.personalized).values())
+
+    def _eval_messages(self, cids: list[int], with_global: bool) -> dict[int, FlwrMessage]:
+        gsplit = shot_split(self.fed.train_counts, self.cfg.split)
+        ctl = {"split": self.cfg.split, "gsplit": json.dumps({g: gsplit[g].tolist() for g in GROUPS})}
+        extra = global_state_records(self.state) if with_global else RecordDict()
+        msgs = {}
+        for cid in cids:
+            rd = to_records(self.method.eval_payload(self.state, cid), what="evaluation payload")
+            for k, v in extra.items():
+                rd[k] = v
+            msgs[cid] = self._message(rd, cid, "evaluate", ctl, "evaluate")
+        return msgs
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[FlwrMessage]) -> MetricRecord | None:
+        got = {int(control(r.content)["client-id"]): r.content for r in replies if not r.has_error()}
+        pm = self._personal(got)
+        first = next(iter(pm.values()), None)
+        return MetricRecord({"PM": first["acc"]}) if first else None
+
+    def summary(self) -> None:
+        self.echo(f"fedlt strategy: method {self.cfg.method}, {self.cfg.clients} clients, {self.cfg.rounds} rounds")
+
+    # ------------------------------------------------------------------ evaluation
+    @staticmethod
+    def _personal(got: dict[int, RecordDict]) -> dict:
+        per_mode: dict[str, list] = {}
+        source = "personal"
+        for cid in sorted(got):
+            ctl = control(got[cid])
+            if str(ctl["source"]) == "global":
+                source = "global"
+            for mode, rep in json.loads(str(ctl["reports"])).items():
+                per_mode.setdefault(mode, []).append(rep)
+        return summarize_personal(per_mode, source)
+
+    def evaluate(self, grid: Grid, tag: str) -> dict:
+        """GM on the server's balanced test set, PM on the clients (as ``fedlt.metrics.evaluate``)."""
+        t0 = time.perf_counter()
+        ev = evaluate_global(self.method, self.state, {}, self.fed, self.cfg.split, personal=False)
+        cids = sorted(self.nodes)
+        got, why = self.exchange(grid, self._eval_messages(cids, not self.method.personalized), self.round_timeout)
+        again = [cid for cid, rd in got.items() if str(control(rd)["source"]) == "needs-global"]
+        if again:  # a personalized method without a personal model for these clients: PM with the global model
+            more, why2 = self.exchange(grid, self._eval_messages(again, True), self.round_timeout)
+            got.update(more)
+            why.update(why2)
+            for cid in why2:
+                got.pop(cid, None)
+        ev["personal"] = self._personal(got)
+        if why:
+            ev["missing"] = sorted(why)
+            self._note_missing(tag, why)
+        ev["eval_time"] = time.perf_counter() - t0
+        return ev
+
+    def _note_missing(self, tag: str, why: dict[int, str]) -> None:
+        self.missing[tag] = sorted(why)
+        for cid in sorted(why):
+            self.echo(f"{tag}: client {cid} missing ({why[cid]})")
+
+    # ------------------------------------------------------------------ the run
+    def train_round(self, grid: Grid, rnd: int) -> dict:
+        t0 = time.perf_counter()
+        self.connect(grid, wait=False)  # SuperNodes that (re)appeared since the last round
+        sched = self.schedule[rnd - 1]
+        msgs = self._train_messages(rnd)
+        down = {cid: from_records(m.content).nbytes() for cid, m in msgs.items()}
+        got, why = self.exchange(grid, msgs, self.round_timeout)
+        why.update({cid: "no SuperNode for this client" for cid in sched if cid not in msgs})
+        replies = self._aggregate(rnd, got)
+        losses = [r.meta["loss"] for _, r in replies if "loss" in r.meta]
+        n = max(len(sched), 1)
+        rec = {"round": rnd, "clients": sched, "train_loss": float(np.mean(losses)) if losses else None,
+               "round_time": time.perf_counter() - t0,
+               "bytes_down_per_client": sum(down.values()) / n,
+               "bytes_up_per_client": sum(r.nbytes() for _, r in replies) / max(len(replies), 1),
+               "missing": sorted(why)}
+        if why:
+            rec["missing_why"] = {str(c): why[c] for c in sorted(why)}
+            self._note_missing(f"round {rnd}", why)
+        return rec
+
+    def run_phase(self, grid: Grid, phase: str, index: int) -> dict:
+        t0 = time.perf_counter()
+        self.connect(grid, wait=False)
+        m = self.method
+        cids = sorted(self.nodes)
+        msgs = {cid: self._message(m.phase_configure(phase, self.state, cid), cid, "train.phase",
+                                   {"phase": phase, "index": index}, f"phase-{index}") for cid in cids}
+        down = sum(from_records(x.content).nbytes() for x in msgs.values())
+        got, why = self.exchange(grid, msgs, self.round_timeout)
+        replies = [(cid, from_records(got[cid])) for cid in sorted(got)]
+        self.state = m.phase_aggregate(phase, self.state, replies)
+        rec = {"phase": phase, "time": time.perf_counter() - t0, "bytes_down_per_client": down / max(len(cids), 1),
+               "bytes_up_per_client": sum(r.nbytes() for _, r in replies) / max(len(replies), 1),
+               "missing": sorted(why)}
+        if why:
+            rec["missing_why"] = {str(c): why[c] for c in sorted(why)}
+            self._note_missing(f"phase {phase}", why)
+        return rec
+
+    def run(self, grid: Grid, out: Path | None = None) -> dict:
+        """The whole run; writes the run directory (``cfg.out``/``cfg.name``) and returns the summary."""
+        cfg = self.cfg
+        out = Path(out) if out is not None else run_dir_for(cfg)
+        t0 = time.perf_counter()
+        self.echo(f"fedlt: waiting for {cfg.clients} SuperNodes (at most {self.wait_timeout:g} s)")
+        self.connect(grid)
+        self._counts()
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "config.json", {**cfg.to_dict(), "model": self.spec.model, "method_params": vars(self.method.p),
+                                         "engine": "flower", "flower": {
+                                             "round_timeout": self.round_timeout, "wait_timeout": self.wait_timeout,
+                                             "nodes": {str(c): n for c, n in sorted(self.nodes.items())}}})
+        write_json(out / "partition.json", {"train_counts": self.fed.train_counts, "client_class_counts": self.fed.counts,
+                                            "client_test_sizes": [self.info[c]["test_size"] for c in sorted(self.info)]})
+        with open(out / "metrics.jsonl", "w", buffering=1) as metrics:
+            def log(rec):
+                metrics.write(json.dumps(rec, default=_jsonable) + "\n")
+
+            self.log = log
+            for rnd in range(1, cfg.rounds + 1):
+                rec = self.train_round(grid, rnd)
+                if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+                    rec["eval"] = self.evaluate(grid, f"eval {rnd}")
+                    self.echo(f"round {rnd}: " + ", ".join(f"{k} {v:.4f}" for k, v in headline(rec["eval"]).items()
+                                                         if v is not None))
+                else:
+                    self.echo(f"round {rnd}: train loss {rec['train_loss']}")
+                self.history.append(rec)
+                log(rec)
+            for i, phase in enumerate(self.method.phases):
+                rec = self.run_phase(grid, phase, i)
+                self.echo(f"phase {phase}: {rec['time']:.1f} s")
+                log(rec)
+            final = self.evaluate(grid, "final")
+            log({"final": final})
+        summary = {"run_dir": str(out), "method": cfg.method, "engine": "flower",
+                   "wall_time": time.perf_counter() - t0, "last3": mean_last(self.history), "final": final,
+                   "bytes_per_round_per_client": {
+                       "up": float(np.mean([h["bytes_up_per_client"] for h in self.history])),
+                       "down": float(np.mean([h["bytes_down_per_client"] for h in self.history]))},
+                   "missing": self.missing}
+        write_json(out / "summary.json", summary)
+        torch.save({"state": self.state}, out / "final_state.pt")
+        self.echo(format_summary(summary))
+        return summary
