@@ -134,10 +134,10 @@ def per_class(rs, methods, setting, out: Path):
         mine = [r for r in rs if r.method == m]
         accs, counts = [], []
         for r in mine:
-            g = next(iter(r.summary["final"]["global"].values()), None)
-            if g is None:
+            gmode = next(iter(r.summary["final"]["global"]), None)
+            if gmode is None:
                 continue
-            pc = g["per_class"]
+            pc = r.summary["final"]["global"][gmode]["per_class"]
             accs.append([np.nan if v is None else v for v in pc])
             counts.append(_partition(r)["train_counts"])
         if not accs:
@@ -145,7 +145,8 @@ def per_class(rs, methods, setting, out: Path):
         a = 100 * np.nanmean(np.array(accs, dtype=float), 0)
         c = np.mean(np.array(counts, dtype=float), 0)
         order = np.argsort(-c)
-        ax.plot(c[order], a[order], STYLES[i % len(STYLES)], color=f"C{i % 10}", ms=4, label=m)
+        ax.plot(c[order], a[order], STYLES[i % len(STYLES)], color=f"C{i % 10}", ms=4,
+                label=m if gmode == "global" else f"{m} [{gmode}]")
     c0 = np.array(_partition(rs[0])["train_counts"], dtype=float)
     for cls, n in enumerate(c0):
         ax.annotate(str(cls), (n, 0), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7,
@@ -156,7 +157,8 @@ def per_class(rs, methods, setting, out: Path):
     ax.set_ylim(-3, 103)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"{setting}: per-class GM accuracy vs. class size (final evaluation, mean over seeds)")
+    ax.set_title(f"{setting}\nper-class GM accuracy vs. class size (final evaluation, mean over seeds)",
+                 fontsize=10)
     fig.tight_layout()
     path = out / f"per_class_{_safe(setting)}.png"
     fig.savefig(path, dpi=110)
