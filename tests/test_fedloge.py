@@ -220,6 +220,21 @@ def test_finetuning_after_la_fr_fits_the_local_data(trained):
     assert "realigned.weight" not in reply.arrays and reply.meta["num_examples"] == len(client)
 
 
+def test_persisted_local_momentum_stays_on_the_client(trained):
+    sim, _, _ = trained
+    m = FedLoGe(sim.method.spec, FedLoGe.make_params({"persist_phi_momentum": "true"}))
+    client, cs = sim.fed.clients[2], dict(sim.client_states[2])
+    payload = m.configure(sim.state, 9, 2)
+    reply, cs1 = m.local_train(payload, cs, client, torch.Generator().manual_seed(0))
+    assert cs1["phi.momentum.weight"].abs().sum() > 0 and not any("momentum" in k for k in reply.arrays)
+    # the same round started with vs. without the carried buffer: the local head ends elsewhere, nothing else does
+    r1, with_buf = m.local_train(payload, cs1, client, torch.Generator().manual_seed(1))
+    no_buf = {k: v for k, v in cs1.items() if "momentum" not in k}
+    r2, without = m.local_train(payload, no_buf, client, torch.Generator().manual_seed(1))
+    assert not torch.equal(with_buf["phi.weight"], without["phi.weight"])
+    assert all(torch.equal(r1.arrays[k], r2.arrays[k]) for k in r1.arrays)  # features are detached for phi_k
+
+
 # ------------------------------------------------------------------------------------------- options
 def test_ablation_switches_modes_and_phases():
     m = _method(ga_fr="false", preview="true")

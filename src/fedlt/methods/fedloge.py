@@ -77,12 +77,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..core import Message, Method, Predictor, derive_seed, load_weights, train_local, weights_of
 from ..core.etf import KINDS, cached_fixed_classifier, etf_report
+from ..core.losses import masked_logits
+from ..core.personal import personal_net
 from ..errors import ConfigError
 from ..registry import METHODS
 
@@ -103,17 +104,11 @@ def la_fr(psi: torch.Tensor, phi: torch.Tensor, normalize: bool = True) -> torch
     return base * phi.norm(dim=1, keepdim=True)
 
 
-def masked_bias(bias: torch.Tensor, present: np.ndarray | None) -> torch.Tensor:
-    """``bias`` with -inf at the classes not in ``present`` (None: nothing masked): those logits become -inf."""
+def linear_head(weight: torch.Tensor, bias: torch.Tensor, present=None):
+    """logits = weight h + bias; with ``present`` (class indices) every other class's logit is -inf."""
     if present is None:
-        return bias
-    keep = torch.zeros_like(bias, dtype=torch.bool)
-    keep[torch.as_tensor(present, dtype=torch.long)] = True
-    return bias.masked_fill(~keep, float("-inf"))
-
-
-def linear_head(weight: torch.Tensor, bias: torch.Tensor):
-    return lambda h: F.linear(h, weight, bias)
+        return lambda h: F.linear(h, weight, bias)
+    return lambda h: masked_logits(F.linear(h, weight, bias), present, float("-inf"))
 
 
 @METHODS.register("fedloge")
@@ -213,9 +208,10 @@ class FedLoGe(Method):
     def init_server(self) -> dict:
         state = super().init_server()
         W, b = self.fixed_head()
-        rep = etf_report(W)
-        state["fixed_report"] = {"kind": self.fixed_spec()[0], **self.fixed_spec()[2], **rep}
-        print(f"fedloge: fixed classifier {self.fixed_spec()[0]} [{rep['C']}x{rep['d']}] sparsity "
+        rep = etf_report(W)  # Table 6's quantities, saved with the run (final_state.pt) and printed
+        kind, beta, opts = self.fixed_spec()
+        state["fixed_report"] = {"kind": kind, "beta": beta, **opts, "bias": self.p.fixed_bias, **rep}
+        print(f"fedloge: fixed classifier {kind} [{rep['C']}x{rep['d']}] sparsity "
               f"{rep['sparsity']:.3f}, norm {rep['norm_mean']:.4f} (var {rep['norm_var']:.2e}), pairwise angle "
               f"{rep['angle_mean_deg']:.3f} deg (var {rep['angle_var_deg2']:.2e}; ETF {rep['etf_angle_deg']:.3f})")
         if self.p.send_fixed:
@@ -361,15 +357,15 @@ class FedLoGe(Method):
         return Message(arrays=dict(state["weights"]))
 
     def personal_model(self, payload: Message, cstate: dict, data) -> dict[str, Predictor]:
-        net = self.net
+        net = personal_net(self)  # the client-side evaluation copy, loaded with the global weights received
         load_weights(net, payload.arrays)
         net.eval()
         present = data.classes if self.p.mask_absent else None
         psi_w, psi_b = payload.arrays["head.weight"], payload.arrays["head.bias"]
         phi_w, phi_b = cstate["phi.weight"], cstate["phi.bias"]
 
-        def head(w, b):  # sum of linear heads = one linear head; masking = -inf bias
-            return Predictor(net.backbone, linear_head(w, masked_bias(b, present)), shared_backbone=True)
+        def head(w, b):  # a sum of linear heads is one linear head
+            return Predictor(net.backbone, linear_head(w, b, present), shared_backbone=True)
 
         def personalized(rw, rb):
             return head(phi_w + rw, phi_b + rb) if self.p.pm_logits == "sum" else head(rw, rb)
