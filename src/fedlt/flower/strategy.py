@@ -99,7 +99,8 @@ class FedltStrategy(Strategy):
                 if cid is None:
                     continue
                 if r.has_error():
-                    why[cid] = f"error {r.error.code}: {(r.error.reason or '').strip().splitlines()[-1:]}"
+                    last = ((r.error.reason or "").strip().splitlines() or [""])[-1]  # a traceback's last line
+                    why[cid] = f"error {r.error.code}: {last}"
                 else:
                     got[cid] = r.content
             if not pending or time.monotonic() >= end:
