@@ -73,11 +73,21 @@ def config_from_args(args: argparse.Namespace, **extra):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="write an atomic checkpoint every N rounds (needs --name, so a rerun finds it)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out/--name from its last checkpoint (same settings required)")
 
 
 def main(args: argparse.Namespace) -> int:
     from ..experiment import run
 
+    from ..errors import ConfigError
+
     cfg = config_from_args(args)
-    run(cfg, progress=not args.no_progress)
+    if (args.checkpoint_every or args.resume) and not cfg.name:
+        raise ConfigError("--checkpoint-every/--resume need --name, so a rerun finds the same run directory")
+    if args.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    run(cfg, progress=not args.no_progress, checkpoint_every=args.checkpoint_every, resume=args.resume)
     return 0
