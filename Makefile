@@ -2,21 +2,23 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-EXTRAS  ?= test
+DEMO_EXTRAS ?= report
+TEST_EXTRAS ?= test,report,flower
 SUDO    := $(shell [ "$$(id -u)" = "0" ] || echo sudo)
 FMNIST  := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
 .PHONY: demo test setup data clean
 
 # A venv with the CPU build of torch (pip takes the local 2.13.0 wheel where one is provided) and fedlt.
-$(BIN)/.installed-$(EXTRAS): pyproject.toml
+# The stamp names the extras installed: report (figures), flower (the Flower engine), test (pytest).
+$(BIN)/.installed-%: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install -q -e ".[$*]"
 	touch $@
 
-setup: $(BIN)/.installed-$(EXTRAS)
+setup: $(BIN)/.installed-$(DEMO_EXTRAS)
 
 # Fashion-MNIST from Debian's package, where apt exists and the files are not there yet.
 data:
@@ -24,10 +26,10 @@ data:
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist; fi
 
 # A short federated long-tailed run: Fashion-MNIST-LT (rho 100), Dirichlet 0.5 over 20 clients.
-demo: setup data
+demo: $(BIN)/.installed-$(DEMO_EXTRAS) data
 	$(BIN)/fedlt run --method fedloge --rounds 10 --eval-every 5 --out runs/demo
 
-test: setup
+test: $(BIN)/.installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q
 
 clean:
