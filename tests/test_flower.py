@@ -23,7 +23,8 @@ from fedlt.flower.strategy import FedltStrategy  # noqa: E402
 from fedlt.registry import METHODS  # noqa: E402
 
 QUIET = dict(echo=lambda s: None)
-FAST = {"fedloge": {"sse_steps": 200}}  # a shorter SSE-C construction: same code path, seconds less
+# the same code paths, seconds less: a shorter SSE-C construction, fewer personalisation / re-training steps
+FAST = {"fedloge": {"sse_steps": 200}, "fedetf": {"pers_rounds": 2}, "creff": {"match_epochs": 5, "crt_epochs": 10}}
 
 
 def _fed(cfg):
@@ -149,6 +150,23 @@ def test_flower_inprocess_equals_simulation(tmp_path, method, participation):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in lines if "phase" in r] == list(sim.method.phases)
     assert json.loads((run / "config.json").read_text())["engine"] == "flower"
+
+
+def test_flower_strategy_start_equals_simulation():
+    """Flower's own round loop (Strategy.start) over the fedlt strategy: same weights, same PM every round."""
+    from flwr.app import ArrayRecord
+
+    over = dict(method="fedprox", rounds=2, eval_every=1, participation=0.5)
+    cfg = small_config(**over)
+    st = FedltStrategy(cfg, **QUIET)
+    grid = InProcessGrid([{"partition-id": i} for i in range(cfg.clients)])
+    with server_identity():
+        result = st.start(grid, ArrayRecord(), num_rounds=cfg.rounds)
+    sim, _ = run_small(**over)
+    assert _max_weight_diff(sim.state, st.state) <= 1e-6
+    for rnd, h in enumerate(sim.history, 1):
+        assert result.evaluate_metrics_clientapp[rnd]["PM"] == pytest.approx(h["eval"]["personal"]["global"]["acc"],
+                                                                             abs=0.02)
 
 
 @pytest.mark.parametrize("method", METHODS.names())

@@ -98,6 +98,35 @@ def _exec(argv: list[str], env: dict) -> int:
     return 0  # not reached
 
 
+def _flwr_run(argv: list[str], env: dict, follow: bool) -> int:
+    """`flwr run`, echoing its output; with ``follow``, exit status 1 unless the run finished completed (flwr's
+    own exit status is 0 once the run was submitted, whatever became of it)."""
+    import json
+    import re
+
+    from ..flower import deploy
+
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_id = None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        m = re.search(r"Successfully started run (\d+)", line)
+        run_id = run_id or (m.group(1) if m else None)
+    rc = proc.wait()
+    if rc or not follow or run_id is None:
+        return rc or (1 if run_id is None else 0)
+    out = subprocess.run([deploy.program("flwr"), "ls", "--run-id", run_id, "--format", "json"], env=env,
+                         capture_output=True, text=True)
+    try:
+        status = json.loads(out.stdout)["runs"][0]["status"]
+    except (ValueError, KeyError, IndexError):
+        print(f"fedlt: could not read the status of run {run_id}: {out.stdout.strip()[-300:]}", file=sys.stderr)
+        return 1
+    print(f"fedlt: run {run_id} {status}", flush=True)
+    return 0 if status.endswith("completed") else 1
+
+
 def main(args: argparse.Namespace) -> int:
     from ..flower import require_flwr
 
@@ -131,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"fedlt: {' '.join(argv)}  (FLWR_HOME={env['FLWR_HOME']}; run directory under {Path(cfg.out).resolve()})",
               flush=True)
         try:
-            return subprocess.call(argv, env=env)
+            return _flwr_run(argv, env, follow=not args.no_stream)
         finally:
             shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)
     if cmd == "inprocess":

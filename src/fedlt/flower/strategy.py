@@ -158,24 +158,22 @@ class FedltStrategy(Strategy):
     # ------------------------------------------------------------------ Flower Strategy interface
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[FlwrMessage]:
-        return list(self._train_messages(server_round).values())
+        if not self.nodes:  # called by Strategy.start(): learn the clients first
+            self.connect(grid)
+            self._counts()
+        payloads = self._train_payloads(server_round)
+        return [self._message(p, cid, "train", {"round": server_round}, str(server_round)) for cid, p in payloads.items()]
 
-    def _train_messages(self, rnd: int) -> dict[int, FlwrMessage]:
-        m = self.method
-        return {cid: self._message(m.configure(self.state, rnd, cid), cid, "train", {"round": rnd}, str(rnd))
-                for cid in self.schedule[rnd - 1] if cid in self.nodes}
+    def _train_payloads(self, rnd: int) -> dict[int, Message]:
+        return {cid: self.method.configure(self.state, rnd, cid) for cid in self.schedule[rnd - 1] if cid in self.nodes}
 
     def aggregate_train(self, server_round: int, replies: Iterable[FlwrMessage]):
         got = {int(control(r.content)["client-id"]): r.content for r in replies if not r.has_error()}
-        self._aggregate(server_round, got)
+        if got:
+            self.state = self.method.aggregate(self.state, server_round,
+                                               [(cid, from_records(got[cid])) for cid in sorted(got)])
         w = self.state.get("weights") if isinstance(self.state, dict) else None
         return (ArrayRecord(dict(w)) if w else None), MetricRecord({"clients": len(got)})
-
-    def _aggregate(self, rnd: int, got: dict[int, RecordDict]) -> list[tuple[int, Message]]:
-        replies = [(cid, from_records(got[cid])) for cid in sorted(got)]
-        if replies:  # a round nobody answered leaves the state as it was
-            self.state = self.method.aggregate(self.state, rnd, replies)
-        return replies
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[FlwrMessage]:
@@ -244,25 +242,36 @@ class FedltStrategy(Strategy):
             self.echo(f"{tag}: client {cid} missing ({why[cid]})")
 
     # ------------------------------------------------------------------ the run
+    def _send(self, grid: Grid, payloads: dict[int, Message], mtype: str, ctl: dict, group: str):
+        """One message per client; returns (replies as fedlt Messages in client order, {cid: why missing},
+        bytes sent)."""
+        msgs = {cid: self._message(p, cid, mtype, ctl, group) for cid, p in payloads.items()}
+        got, why = self.exchange(grid, msgs, self.round_timeout)
+        replies = [(cid, from_records(got[cid])) for cid in sorted(got)]
+        return replies, why, sum(p.nbytes() for p in payloads.values())
+
+    def _traffic(self, rec: dict, tag: str, n: int, down: int, replies, why: dict[int, str]) -> dict:
+        """The communication and missing-client fields of a round's or phase's record."""
+        rec.update(bytes_down_per_client=down / max(n, 1),
+                   bytes_up_per_client=sum(r.nbytes() for _, r in replies) / max(len(replies), 1),
+                   missing=sorted(why))
+        if why:
+            rec["missing_why"] = {str(c): why[c] for c in sorted(why)}
+            self._note_missing(tag, why)
+        return rec
+
     def train_round(self, grid: Grid, rnd: int) -> dict:
         t0 = time.perf_counter()
         self.connect(grid, wait=False)  # SuperNodes that (re)appeared since the last round
         sched = self.schedule[rnd - 1]
-        msgs = self._train_messages(rnd)
-        down = {cid: from_records(m.content).nbytes() for cid, m in msgs.items()}
-        got, why = self.exchange(grid, msgs, self.round_timeout)
-        why.update({cid: "no SuperNode for this client" for cid in sched if cid not in msgs})
-        replies = self._aggregate(rnd, got)
+        replies, why, down = self._send(grid, self._train_payloads(rnd), "train", {"round": rnd}, str(rnd))
+        why.update({cid: "no SuperNode for this client" for cid in sched if cid not in self.nodes})
+        if replies:  # a round nobody answered leaves the state as it was
+            self.state = self.method.aggregate(self.state, rnd, replies)
         losses = [r.meta["loss"] for _, r in replies if "loss" in r.meta]
-        n = max(len(sched), 1)
-        rec = {"round": rnd, "clients": sched, "train_loss": float(np.mean(losses)) if losses else None,
-               "round_time": time.perf_counter() - t0,
-               "bytes_down_per_client": sum(down.values()) / n,
-               "bytes_up_per_client": sum(r.nbytes() for _, r in replies) / max(len(replies), 1),
-               "missing": sorted(why)}
-        if why:
-            rec["missing_why"] = {str(c): why[c] for c in sorted(why)}
-            self._note_missing(f"round {rnd}", why)
+        rec = {"round": rnd, "clients": sched, "train_loss": float(np.mean(losses)) if losses else None}
+        self._traffic(rec, f"round {rnd}", len(sched), down, replies, why)
+        rec["round_time"] = time.perf_counter() - t0
         return rec
 
     def run_phase(self, grid: Grid, phase: str, index: int) -> dict:
@@ -270,18 +279,12 @@ class FedltStrategy(Strategy):
         self.connect(grid, wait=False)
         m = self.method
         cids = sorted(self.nodes)
-        msgs = {cid: self._message(m.phase_configure(phase, self.state, cid), cid, "train.phase",
-                                   {"phase": phase, "index": index}, f"phase-{index}") for cid in cids}
-        down = sum(from_records(x.content).nbytes() for x in msgs.values())
-        got, why = self.exchange(grid, msgs, self.round_timeout)
-        replies = [(cid, from_records(got[cid])) for cid in sorted(got)]
+        payloads = {cid: m.phase_configure(phase, self.state, cid) for cid in cids}
+        replies, why, down = self._send(grid, payloads, "train.phase", {"phase": phase, "index": index},
+                                        f"phase-{index}")
         self.state = m.phase_aggregate(phase, self.state, replies)
-        rec = {"phase": phase, "time": time.perf_counter() - t0, "bytes_down_per_client": down / max(len(cids), 1),
-               "bytes_up_per_client": sum(r.nbytes() for _, r in replies) / max(len(replies), 1),
-               "missing": sorted(why)}
-        if why:
-            rec["missing_why"] = {str(c): why[c] for c in sorted(why)}
-            self._note_missing(f"phase {phase}", why)
+        rec = self._traffic({"phase": phase}, f"phase {phase}", len(cids), down, replies, why)
+        rec["time"] = time.perf_counter() - t0
         return rec
 
     def run(self, grid: Grid, out: Path | None = None) -> dict:
