@@ -107,7 +107,7 @@ def collect(root: str | Path) -> tuple[list[Run], list[str], list[str]]:
     for d, cfg, setting in zip(dirs, configs, derived):
         lab = cfg.get("labels") or {}
         summ = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
-        runs.append(Run(d, str(lab.get("method", cfg.get("method"))), str(lab.get("setting", setting)),
+        runs.append(Run(d, str(lab.get("method", _row_label(cfg))), str(lab.get("setting", setting)),
                         int(lab.get("seed", cfg.get("seed", 0))), cfg, summ))
     methods = list(dict.fromkeys(r.method for r in runs))
     settings = list(dict.fromkeys(r.setting for r in runs))
@@ -117,6 +117,15 @@ def collect(root: str | Path) -> tuple[list[Run], list[str], list[str]]:
         methods = [x for x in m.get("methods", []) if x in methods] + [x for x in methods if x not in m.get("methods", [])]
         settings = [x for x in m.get("settings", []) if x in settings] + [x for x in settings if x not in m.get("settings", [])]
     return runs, methods, settings
+
+
+def _row_label(cfg: dict) -> str:
+    """For runs without labels: the method, with the hyper-parameters the user set (so ablations of one
+    method, e.g. FedLoGe with a dense ETF, are rows of their own rather than pooled as if they were seeds)."""
+    params = cfg.get("params") or {}
+    if not params:
+        return str(cfg.get("method"))
+    return f"{cfg.get('method')}[{','.join(f'{k}={_short(v)}' for k, v in sorted(params.items()))}]"
 
 
 def _derived_settings(configs: list[dict]) -> list[str]:
