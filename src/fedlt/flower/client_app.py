@@ -41,7 +41,7 @@ from flwr.app import Context, Message as FlwrMessage, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..config import RunConfig
-from ..core.api import Method, RunSpec
+from ..core.api import Message, Method, RunSpec
 from ..data.federated import ClientData, Prep
 from ..engine.simulation import PHASE, TRAIN, client_generator
 from ..errors import ConfigError, DataError
@@ -82,7 +82,7 @@ def job_text(cfg: RunConfig, spec: RunSpec, prep: Prep) -> str:
 # ------------------------------------------------------------------------- per-process caches
 # Deterministic objects only (the method object, data): never a client's state, which is in context.state.
 _METHODS: dict[str, Method] = {}
-_DATA: dict[tuple, ClientData] = {}
+_DATA: dict[tuple, ClientData] = {}  # a client data directory, loaded once per process
 _FEDS: dict[str, Any] = {}
 
 
@@ -164,8 +164,7 @@ class Node:
         pid, data_dir = node_setting(context, "partition-id"), node_setting(context, "data-dir")
         if pid is not None:
             cid = int(pid)
-            key = ("partition", cid, device)
-            _DATA[key] = _partition_client(job, cid, device)  # cached per federation inside
+            data = _partition_client(job, cid, device)
         elif data_dir is not None:
             if node_setting(context, "client-id") is None:
                 raise ConfigError("a SuperNode with data-dir also needs client-id=K in --node-config")
@@ -174,10 +173,11 @@ class Node:
             if key not in _DATA:
                 prep = Prep(tuple(job.prep["mean"]), tuple(job.prep["std"]), job.prep["augment"], device)
                 _DATA[key] = load_client_dir(str(data_dir), cid, method.spec, prep)
+            data = _DATA[key]
         else:
             raise ConfigError("the SuperNode's --node-config needs partition-id=K (a client of the fedlt "
                               "partition) or data-dir=DIR client-id=K (its own data)")
-        return cls(cid, _DATA[key], method, job, node_setting(context, "state-dir"), int(context.run_id))
+        return cls(cid, data, method, job, node_setting(context, "state-dir"), int(context.run_id))
 
     def client_state(self, context: Context) -> dict:
         cstate = load_client_state(context.state, self.cid, self.state_dir, self.run_id)
@@ -189,10 +189,8 @@ class Node:
     def save(self, context: Context, cstate: dict) -> None:
         save_client_state(context.state, cstate, self.cid, self.state_dir, self.run_id)
 
-    def reply(self, msg: FlwrMessage, fm=None, **fields_) -> FlwrMessage:
-        from ..core.api import Message as FedltMessage
-
-        rd = to_records(fm if fm is not None else FedltMessage(), {"client-id": self.cid, **fields_}, "reply")
+    def reply(self, msg: FlwrMessage, fm: Message | None = None, **fields_) -> FlwrMessage:
+        rd = to_records(fm if fm is not None else Message(), {"client-id": self.cid, **fields_}, "reply")
         return FlwrMessage(rd, reply_to=msg)
 
 

@@ -13,8 +13,8 @@ SuperLink's), mirroring ``fedlt.engine.Simulation`` step for step:
    clients (an ``evaluate`` message with ``method.eval_payload``), aggregated as the simulation does.
 3. each post-training phase in ``method.phases``: one ``train.phase`` message to every client, then
    ``method.phase_aggregate``.
-4. a final evaluation; ``metrics.jsonl`` and ``summary.json`` as a simulation writes them, plus the missing
-   clients of every round.
+4. a final evaluation (without phases: the last round's, which it would repeat); ``metrics.jsonl`` and
+   ``summary.json`` as a simulation writes them, plus the missing clients of every round.
 
 The classic ``Strategy.start`` also works (training rounds and the per-round evaluation through
 ``configure_*`` / ``aggregate_*``), but only :meth:`run` does the phases and writes the run directory.
@@ -321,7 +321,10 @@ class FedltStrategy(Strategy):
                 rec = self.run_phase(grid, phase, i)
                 self.echo(f"phase {phase}: {rec['time']:.1f} s")
                 log(rec)
-            final = self.evaluate(grid, "final")
+            if not self.method.phases and "eval" in self.history[-1]:
+                final = self.history[-1]["eval"]  # nothing changed since: save every client a message
+            else:
+                final = self.evaluate(grid, "final")
             log({"final": final})
         summary = {"run_dir": str(out), "method": cfg.method, "engine": "flower",
                    "wall_time": time.perf_counter() - t0, "last3": mean_last(self.history), "final": final,
