@@ -79,17 +79,20 @@ def _convert(name: str, value: Any) -> Any:
         raise ConfigError(f"{name.replace('_', '-')} expects a {kind.__name__}, got {value!r}") from None
 
 
+def read_toml(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """A TOML file as a dict, or a one-line ConfigError if it is missing or not valid TOML."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} file {path} not found")
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} file {path} is not valid TOML: {e}") from None
+
+
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Defaults <- preset <- TOML file <- overrides (command line). Unknown keys are errors."""
-    values: dict[str, Any] = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} not found")
-        try:
-            values = tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    values: dict[str, Any] = read_toml(path) if path else {}
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     params = {**values.pop("params", {}), **overrides.pop("params", {})}
     preset = overrides.get("preset", values.get("preset"))

@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import RunConfig, load_config
+from ..config import RunConfig, load_config, read_toml
 from ..errors import ConfigError
 
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
@@ -83,14 +82,8 @@ class PlannedRun:
 
 # ------------------------------------------------------------------------------------------------ parsing
 def load_sweep(path: str | Path, out: str | None = None) -> Sweep:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"sweep file {path} not found")
-    try:
-        d = tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"sweep file {path} is not valid TOML: {e}") from None
-    return parse_sweep(d, out or d.get("out") or str(Path("runs") / p.stem), str(path))
+    d = read_toml(path, "sweep")
+    return parse_sweep(d, out or d.get("out") or str(Path("runs") / Path(path).stem), str(path))
 
 
 def parse_sweep(d: dict, out: str, where: str = "sweep") -> Sweep:
