@@ -1,5 +1,7 @@
-"""FedDr+ (Kim et al., FedKDD 2024, arXiv 2406.02355, "FedDr+: Stabilizing Dot-regression with Global Feature
-Distillation for Federated Learning"), plain dot-regression ("dr"), and FedDr+ FT (App. D.1).
+"""FedDr+ ("feddr+"), plain dot-regression ("dr") and FedDr+ FT: a frozen ETF head, dot-regression, distillation.
+
+Kim et al., FedKDD 2024, arXiv 2406.02355, "FedDr+: Stabilizing Dot-regression with Global Feature Distillation
+for Federated Learning" (Eq. 1; FedDr+ FT in App. D.1).
 
 Model: the backbone ``f`` followed by a frozen simplex-ETF head ``V`` (Sec. 2.2):
 ``V = sqrt(C/(C-1)) U (I_C - 11^T/C)``, ``U`` a random ``d x C`` matrix with orthonormal columns, no bias
