@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core import Message, Method, Predictor, load_weights, make_optimizer, train_local, weights_of
+from ..core import Message, Method, load_weights, make_optimizer, train_local, weights_of
 from ..core.etf import fixed_classifier
+from ..core.personal import personal_predictor
 from ..errors import ConfigError
 from ..models import backbone_keys
 from ..registry import METHODS
@@ -85,7 +86,6 @@ class FedDrPlus(Method):
         self.phases = ("finetune",) if p.ft_epochs > 0 else ()
         self.sent = sorted(backbone_keys(self.net))  # what crosses the network: the backbone only
         self._teacher = None
-        self._pm_net = None
 
     def new_model(self):
         m = super().new_model()
@@ -139,11 +139,7 @@ class FedDrPlus(Method):
     def personal_model(self, payload, cstate, data):
         if "personal" not in cstate:
             return None  # before the fine-tuning phase: PM is the global model
-        if self._pm_net is None:
-            self._pm_net = self.new_model()
-        load_weights(self._pm_net, cstate["personal"])
-        self._pm_net.eval()
-        return Predictor(self._pm_net.backbone, self._pm_net.head)
+        return personal_predictor(self, cstate["personal"])
 
 
 @METHODS.register("dr")

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..core import Message, Method, Predictor, derive_seed, load_weights, make_optimizer, train_local, weights_of
 from ..core.etf import fixed_classifier
+from ..core.personal import personal_predictor
 from ..core.losses import balanced_softmax_loss
 from ..errors import ConfigError
 from ..models import Model
@@ -129,7 +130,6 @@ class FedETF(Method):
         self.phases = ("personalize",) if p.pers_rounds > 0 else ()
         self.sent = sorted(k for k in self.net.state_dict() if k != "head.M")
         self._pnet = None  # client-side model for personalization (its M changes)
-        self._pm_net = None
 
     def new_model(self) -> Model:
         s = self.spec
@@ -198,8 +198,4 @@ class FedETF(Method):
     def personal_model(self, payload, cstate, data):
         if "personal" not in cstate:
             return None  # before the personalization phase: PM is the global model
-        if self._pm_net is None:
-            self._pm_net = self.new_model()
-        load_weights(self._pm_net, cstate["personal"])
-        self._pm_net.eval()
-        return Predictor(self._pm_net.backbone, self._pm_net.head)
+        return personal_predictor(self, cstate["personal"])
