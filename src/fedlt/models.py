@@ -221,31 +221,37 @@ class ResNet(nn.Module):
 
 @MODELS.register("mlp")
 def _mlp(in_shape):
+    """MLP: flatten, two hidden layers of 200 with ReLU; feature = last hidden layer (200)."""
     return MLP(in_shape)
 
 
 @MODELS.register("smallcnn")
 def _smallcnn(in_shape):
+    """Small CNN of BENCHMARKS.md: conv3x3 16, pool, conv3x3 32, pool, 128-unit feature layer."""
     return SmallCNN(in_shape)
 
 
 @MODELS.register("cnn-mcmahan")
 def _cnn_mcmahan(in_shape):
+    """McMahan et al. 2017 CNN: conv5x5 32, pool, conv5x5 64, pool, 512-unit feature layer."""
     return McMahanCNN(in_shape)
 
 
 @MODELS.register("resnet8")
 def _resnet8(in_shape):
+    """CIFAR-style ResNet-8: 3x3 stem, no max-pool, one BasicBlock per stage (64/128/256); feature 256."""
     return ResNet(in_shape, blocks=(1, 1, 1), widths=(64, 128, 256))
 
 
 @MODELS.register("resnet18")
 def _resnet18(in_shape):
+    """CIFAR-style ResNet-18 (FedLoGe's CIFAR-10 model): 3x3 stem, no max-pool; feature 512."""
     return ResNet(in_shape, blocks=(2, 2, 2, 2), widths=(64, 128, 256, 512))
 
 
 @MODELS.register("resnet34")
 def _resnet34(in_shape):
+    """CIFAR-style ResNet-34 (FedLoGe's CIFAR-100 model): 3x3 stem, no max-pool; feature 512."""
     return ResNet(in_shape, blocks=(3, 4, 6, 3), widths=(64, 128, 256, 512))
 
 

@@ -99,6 +99,7 @@ def _load_idx_dataset(name, data_dir, system, install_hint, mean, std, num_class
 
 @DATASETS.register("fashion-mnist")
 def load_fashion_mnist(data_dir: str | None = None, **_) -> Dataset:
+    """Fashion-MNIST, 60k/10k 28x28 grey images, 10 classes (idx files; Debian's dataset-fashion-mnist)."""
     return _load_idx_dataset(
         "fashion-mnist", data_dir, ["/usr/share/datasets/fashion-mnist"],
         "install it with `apt-get install -y dataset-fashion-mnist` or pass --data-dir with the four idx files",
@@ -108,6 +109,7 @@ def load_fashion_mnist(data_dir: str | None = None, **_) -> Dataset:
 
 @DATASETS.register("mnist")
 def load_mnist(data_dir: str | None = None, **_) -> Dataset:
+    """MNIST, 60k/10k 28x28 digits, 10 classes (idx files in --data-dir or $FEDLT_DATA)."""
     return _load_idx_dataset(
         "mnist", data_dir, [],
         "pass --data-dir (or set $FEDLT_DATA) to a folder with the four MNIST idx files",
@@ -161,12 +163,14 @@ def _load_cifar(name: str, data_dir: str | None, folder: str, train_files, test_
 
 @DATASETS.register("cifar10")
 def load_cifar10(data_dir: str | None = None, **_) -> Dataset:
+    """CIFAR-10, 50k/10k 32x32 colour images, 10 classes (python batches in cifar-10-batches-py/)."""
     return _load_cifar("cifar10", data_dir, "cifar-10-batches-py",
                        [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], "labels", 10)
 
 
 @DATASETS.register("cifar100")
 def load_cifar100(data_dir: str | None = None, **_) -> Dataset:
+    """CIFAR-100, 50k/10k 32x32 colour images, 100 fine classes (python batches in cifar-100-python/)."""
     ds = _load_cifar("cifar100", data_dir, "cifar-100-python", ["train"], ["test"], "fine_labels", 100)
     ds.mean, ds.std = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
     return ds

@@ -57,6 +57,7 @@ def shards(labels, num_clients: int, num_classes: int, seed: int, shards_per_cli
 
 @PARTITIONS.register("iid")
 def iid(labels, num_clients: int, num_classes: int, seed: int, **_):
+    """A uniformly random split into equal-size clients (a reference, no label skew)."""
     rng = np.random.default_rng([seed, 4])
     return [np.sort(p) for p in np.array_split(rng.permutation(len(labels)), num_clients)]
 
