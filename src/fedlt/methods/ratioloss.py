@@ -34,6 +34,11 @@ Paper vs. official code (balanced-fl/Addressing-Class-Imbalance-FL; shared/refer
   local optimiser and epochs (weight decay via --weight-decay).
 - The final-layer weight is found by name in the code ('fc1', 'linear', 'fc'); here it is the model's head.
 Defaults: alpha0 = 1.0, beta = 0.1, threshold 0.8, cap 5000, 32 auxiliary samples per class.
+
+Learning rate. R_c grows without bound as the global model stops predicting class c on the other classes'
+data (O_c -> 0), so alpha_c can reach tens to hundreds (the cap allows 501), and the weights multiply the
+step size: the official code trains with SGD lr 0.001, momentum 0.5. At the fmnist-lt protocol's lr 0.05,
+momentum 0.9, local training diverged (NaN after round 23 on Fashion-MNIST-LT rho 100); lower --lr.
 """
 from __future__ import annotations
 
