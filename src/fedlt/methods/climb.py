@@ -1,5 +1,6 @@
-"""CLIMB (Shen, Wang, Lee, Zhang, Chen, Lu, "An Agnostic Approach to Federated Learning with Class Imbalance",
-ICLR 2022).
+"""CLIMB (Shen et al., ICLR 2022): clients re-weighted by dual variables of a loss-constrained FL objective.
+
+Shen, Wang, Lee, Zhang, Chen, Lu, "An Agnostic Approach to Federated Learning with Class Imbalance".
 
 Class imbalance is handled without knowing it: the FL objective is constrained so that no client's loss
 exceeds the average loss by more than epsilon,

@@ -1,5 +1,6 @@
-"""CReFF (Shang et al., "Federated Learning on Heterogeneous and Long-Tailed Data via Classifier Re-training
-with Federated Features", IJCAI 2022).
+"""CReFF (Shang et al., IJCAI 2022): the classifier re-trained on the server on federated (synthetic) features.
+
+"Federated Learning on Heterogeneous and Long-Tailed Data via Classifier Re-training with Federated Features".
 
 FedAvg learns the representation; after every round the server re-trains a fresh linear classifier on
 *federated features*: synthetic features whose classifier gradients are made to match the real-data classifier
