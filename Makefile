@@ -25,9 +25,10 @@ data:
 	@if [ ! -f $(FMNIST) ] && [ -z "$$FEDLT_DATA" ] && command -v apt-get >/dev/null; then \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist; fi
 
-# A short federated long-tailed run: Fashion-MNIST-LT (rho 100), Dirichlet 0.5 over 20 clients.
+# A short federated long-tailed run: Fashion-MNIST-LT (rho 100), Dirichlet 0.5 over 20 clients. One torch
+# thread: with two, a second busy process on a 2-core machine made rounds 25x slower (OpenMP waits).
 demo: $(BIN)/.installed-$(DEMO_EXTRAS) data
-	$(BIN)/fedlt run --method fedloge --rounds 10 --eval-every 5 --out runs/demo
+	$(BIN)/fedlt run --method fedloge --rounds 10 --eval-every 5 --threads 1 --out runs/demo
 
 test: $(BIN)/.installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q
