@@ -15,8 +15,8 @@ from fedlt.models import (  # noqa: E402
 )
 
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
-SMALL = ["mlp", "smallcnn", "cnn-mcmahan"]
-FEATURE_DIM = {"mlp": 200, "smallcnn": 128, "cnn-mcmahan": 512, "resnet8": 256, "resnet18": 512, "resnet34": 512}
+SMALL = ["mlp", "smallcnn", "smallcnn-bn", "cnn-mcmahan"]
+FEATURE_DIM = {"mlp": 200, "smallcnn": 128, "smallcnn-bn": 128, "cnn-mcmahan": 512, "resnet8": 256, "resnet18": 512, "resnet34": 512}
 
 
 @pytest.mark.parametrize("name", SMALL)
@@ -106,6 +106,20 @@ def test_bn_keys_by_type():
     assert not (keys & conv_w)
     # a model without BN has none
     assert bn_keys(build_model("smallcnn", (1, 8, 8), 10, seed=0)) == set()
+
+
+def test_smallcnn_bn_is_smallcnn_plus_batchnorm():
+    plain = build_model("smallcnn", (1, 28, 28), 10, seed=0)
+    bn = build_model("smallcnn-bn", (1, 28, 28), 10, seed=0)
+    kinds = [type(mod) for mod in bn.modules() if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d))]
+    assert kinds == [nn.BatchNorm2d, nn.BatchNorm2d, nn.BatchNorm1d]
+    shapes = lambda m, keys: sorted(tuple(v.shape) for k, v in m.state_dict().items() if k in keys)  # noqa: E731
+    assert shapes(bn, set(bn.state_dict()) - bn_keys(bn)) == shapes(plain, set(plain.state_dict()))
+    # the feature BN sits between the linear layer and the ReLU: in train mode its output has per-unit batch
+    # mean 0 and variance 1 (weight 1, bias 0 at init), whatever the input scale
+    bn.train()
+    pre = bn.backbone.fc[1](bn.backbone.fc[0](bn.backbone.conv(5 * torch.randn(256, 1, 28, 28) + 3)))
+    assert pre.mean(0).abs().max() < 1e-4 and (pre.var(0, unbiased=False) - 1).abs().max() < 1e-2
 
 
 def test_head_and_backbone_keys():

@@ -92,24 +92,29 @@ class SmallCNN(nn.Module):
     ``conv3x3(in->16, pad 1)-ReLU-maxpool2, conv3x3(16->32, pad 1)-ReLU-maxpool2, flatten, Linear(->128)-ReLU``;
     the 128-unit hidden layer is the feature. The flatten size is computed from the input shape
     (8x8 -> 32*2*2, 28x28 -> 32*7*7, 32x32 -> 32*8*8).
+
+    With ``bn=True`` (``smallcnn-bn``) a BatchNorm layer follows each convolution and the hidden linear layer,
+    before the ReLU, as in FedBN's CNNs: the variant on which FedBN differs from FedAvg.
     """
 
-    def __init__(self, in_shape: tuple[int, int, int], width: int = 128):
+    def __init__(self, in_shape: tuple[int, int, int], width: int = 128, bn: bool = False):
         super().__init__()
         c, h, w = _check_shape(in_shape, "smallcnn")
         fh, fw = h // 2 // 2, w // 2 // 2
         if fh < 1 or fw < 1:
             raise ConfigError(f"smallcnn needs inputs of at least 4x4, got {h}x{w}")
+        def block(*layers, norm=None):  # no placeholder modules: smallcnn's state-dict keys stay as they were
+            return [layers[0], *([norm] if bn else []), *layers[1:]]
+
         self.conv = nn.Sequential(
-            nn.Conv2d(c, 16, 3, padding=1),
-            nn.ReLU(inplace=True),
-            nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1),
-            nn.ReLU(inplace=True),
-            nn.MaxPool2d(2),
+            *block(nn.Conv2d(c, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                   norm=bn and nn.BatchNorm2d(16)),
+            *block(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                   norm=bn and nn.BatchNorm2d(32)),
             nn.Flatten(),
         )
-        self.fc = nn.Sequential(nn.Linear(32 * fh * fw, width), nn.ReLU(inplace=True))
+        self.fc = nn.Sequential(*block(nn.Linear(32 * fh * fw, width), nn.ReLU(inplace=True),
+                                       norm=bn and nn.BatchNorm1d(width)))
         self.feature_dim = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,6 +234,12 @@ def _mlp(in_shape):
 def _smallcnn(in_shape):
     """Small CNN of BENCHMARKS.md: conv3x3 16, pool, conv3x3 32, pool, 128-unit feature layer."""
     return SmallCNN(in_shape)
+
+
+@MODELS.register("smallcnn-bn")
+def _smallcnn_bn(in_shape):
+    """The small CNN with BatchNorm after each conv and the feature layer (FedBN has something to keep)."""
+    return SmallCNN(in_shape, bn=True)
 
 
 @MODELS.register("cnn-mcmahan")

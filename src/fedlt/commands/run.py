@@ -31,7 +31,7 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", help="federated method (default fedavg; `fedlt list` shows all)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="method hyper-parameter, repeatable (e.g. --set mu=0.01)")
-    g.add_argument("--model", help="mlp, smallcnn, cnn-mcmahan, resnet8/18/34 (default: per dataset)")
+    g.add_argument("--model", help="mlp, smallcnn, smallcnn-bn, cnn-mcmahan, resnet8/18/34 (default: per dataset)")
     g.add_argument("--rounds", type=int, help="communication rounds (default 50)")
     g.add_argument("--participation", type=float, help="fraction (<= 1) or count (> 1) of clients per round")
     g.add_argument("--local-epochs", type=int, help="local epochs (default 2)")
