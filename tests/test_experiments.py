@@ -71,6 +71,9 @@ def test_every_method_resumes_exactly(method):
     assert resumed.round == 1
     out = resumed.run()
     assert _strip(out) == _strip(ref), f"{method}: resumed run ends differently"
+    cls = METHODS.get(method)  # what `fedlt list` says of the method is what its evaluation has
+    assert bool(ref["global"]) == cls.generic and (ref["personal"][next(iter(ref["personal"]))]["source"]
+                                                     == "personal") == cls.personalized, method
     assert _evals(resumed.history) == _evals(full.history)
 
 

@@ -27,7 +27,7 @@ def main(args) -> int:
     for name, cls in METHODS.items():
         params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Params)
                            if f.default is not dataclasses.MISSING)
-        kind = "generic+personal" if cls.personalized else "generic"
+        kind = "+".join(k for k, has in (("generic", cls.generic), ("personal", cls.personalized)) if has)
         print(f"  {name:<14} [{kind}] {mod_doc(cls)}" + (f"\n  {'':<14} params: {params}" if params else ""))
     for title, reg in (("datasets", DATASETS), ("models", MODELS), ("partitions", PARTITIONS)):
         print(f"{title}:")

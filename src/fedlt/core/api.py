@@ -89,11 +89,13 @@ class Method:
     """Base class with FedAvg behaviour; a method overrides the hooks it changes.
 
     Subclasses set ``name``, a ``Params`` dataclass of hyper-parameters (defaults as the paper), and
-    ``personalized`` when they have personal models. ``phases`` names the post-training phases.
+    ``personalized`` when they have personal models and ``generic = False`` when ``global_model`` returns
+    None (no generic model). ``phases`` names the post-training phases.
     """
 
     name: str = "base"
     personalized: bool = False
+    generic: bool = True
     phases: tuple[str, ...] = ()
 
     @dataclass

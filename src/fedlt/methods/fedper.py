@@ -22,6 +22,7 @@ from ..registry import METHODS
 @METHODS.register("fedper")
 class FedPer(PartialSharing):
     name = "fedper"
+    generic = False  # global_model is None
 
     @dataclass
     class Params:

@@ -22,6 +22,7 @@ from ..registry import METHODS
 class Local(Method):
     name = "local"
     personalized = True
+    generic = False  # global_model is None
 
     @dataclass
     class Params:
