@@ -177,3 +177,20 @@ def test_random_crop_flip_is_a_shifted_window_of_the_padded_batch():
     for b in range(2):
         windows = [padded[b, :, i:i + 8, j:j + 8] for i in range(5) for j in range(5)]
         assert any(torch.equal(out[b], w) or torch.equal(out[b], w.flip(-1)) for w in windows)
+
+
+@pytest.mark.parametrize("n,bs,drop_last,sizes", [(65, 32, False, [32, 33]), (33, 32, False, [33]),
+                                                  (1, 32, False, [1]), (66, 32, False, [32, 32, 2]),
+                                                  (97, 32, True, [32, 32, 32]), (64, 32, False, [32, 32])])
+def test_batches_never_end_with_a_lone_sample_and_cover_the_epoch(n, bs, drop_last, sizes):
+    """A single last sample joins the batch before (BatchNorm cannot train on one); each epoch is a permutation."""
+    from fedlt.data.federated import ClientData, Prep
+    x = torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 1, 2, 2).contiguous()  # float: as is
+    c = ClientData(0, x, torch.zeros(n, dtype=torch.long), 2, Prep((0.0,), (1.0,)), x[:0], torch.zeros(0))
+    got = list(c.batches(bs, torch.Generator().manual_seed(0), epochs=2, drop_last=drop_last))
+    assert [len(y) for _, y in got] == sizes * 2
+    for epoch in (got[: len(sizes)], got[len(sizes):]):
+        seen = torch.cat([xb[:, 0, 0, 0] for xb, _ in epoch]).long()
+        if not drop_last:
+            assert sorted(seen.tolist()) == list(range(n))
+        assert len(set(seen.tolist())) == len(seen)

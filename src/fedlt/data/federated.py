@@ -55,13 +55,20 @@ class ClientData:
 
     def batches(self, batch_size: int, gen: torch.Generator, epochs: int = 1, shuffle: bool = True,
                 train: bool = True, drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Mini-batches (x, y) over ``epochs`` passes, shuffled by ``gen``, gathered and augmented as tensors."""
+        """Mini-batches (x, y) over ``epochs`` passes, shuffled by ``gen``, gathered and augmented as tensors.
+
+        A pass that would end with a batch of a single sample folds it into the batch before (one batch of
+        ``batch_size + 1``): BatchNorm cannot train on one sample, and no sample is left out of the epoch."""
         n = len(self.y)
+        stop = n - n % batch_size if drop_last and n >= batch_size else n
+        starts = list(range(0, stop, batch_size))
+        if len(starts) > 1 and stop - starts[-1] == 1:
+            starts.pop()
+        ends = starts[1:] + [stop]
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
-            stop = n - n % batch_size if drop_last and n >= batch_size else n
-            for s in range(0, stop, batch_size):
-                idx = order[s : s + batch_size]
+            for s, e in zip(starts, ends):
+                idx = order[s:e]
                 yield self.prep(self.x[idx], gen, train=train), self.y[idx].to(self.prep.device)
 
     def sample_batch(self, idx: torch.Tensor, gen: torch.Generator | None = None, train: bool = True):
