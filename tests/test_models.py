@@ -16,7 +16,8 @@ from fedlt.models import (  # noqa: E402
 
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 SMALL = ["mlp", "smallcnn", "smallcnn-bn", "cnn-mcmahan"]
-FEATURE_DIM = {"mlp": 200, "smallcnn": 128, "smallcnn-bn": 128, "cnn-mcmahan": 512, "resnet8": 256, "resnet18": 512, "resnet34": 512}
+FEATURE_DIM = {"mlp": 200, "smallcnn": 128, "smallcnn-bn": 128, "cnn-mcmahan": 512, "resnet8": 256, "resnet18": 512,
+               "resnet34": 512}
 
 
 @pytest.mark.parametrize("name", SMALL)

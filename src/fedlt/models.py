@@ -103,18 +103,18 @@ class SmallCNN(nn.Module):
         fh, fw = h // 2 // 2, w // 2 // 2
         if fh < 1 or fw < 1:
             raise ConfigError(f"smallcnn needs inputs of at least 4x4, got {h}x{w}")
-        def block(*layers, norm=None):  # no placeholder modules: smallcnn's state-dict keys stay as they were
-            return [layers[0], *([norm] if bn else []), *layers[1:]]
+
+        # smallcnn-bn: each layer's BatchNorm right after it; smallcnn: no placeholder, so its keys stay as they were
+        def normed(layer, norm, n):
+            return [layer, norm(n)] if bn else [layer]
 
         self.conv = nn.Sequential(
-            *block(nn.Conv2d(c, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-                   norm=bn and nn.BatchNorm2d(16)),
-            *block(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-                   norm=bn and nn.BatchNorm2d(32)),
+            *normed(nn.Conv2d(c, 16, 3, padding=1), nn.BatchNorm2d, 16), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            *normed(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d, 32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
             nn.Flatten(),
         )
-        self.fc = nn.Sequential(*block(nn.Linear(32 * fh * fw, width), nn.ReLU(inplace=True),
-                                       norm=bn and nn.BatchNorm1d(width)))
+        self.fc = nn.Sequential(*normed(nn.Linear(32 * fh * fw, width), nn.BatchNorm1d, width),
+                                nn.ReLU(inplace=True))
         self.feature_dim = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
