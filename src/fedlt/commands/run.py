@@ -80,9 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..experiment import run
-
     from ..errors import ConfigError
+    from ..experiment import run
 
     cfg = config_from_args(args)
     if (args.checkpoint_every or args.resume) and not cfg.name:

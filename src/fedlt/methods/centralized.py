@@ -11,8 +11,8 @@ number of sample visits of one FedAvg round, so the default 1 gives both the sam
 Clients: nothing to do; they receive nothing and reply only a zero sample count.
 Stability: this is plain SGD over 50+ epochs with no federated averaging to damp it. On fmnist-lt at the
 protocol's lr 0.05 / momentum 0.9 it reached GM 82 by round 15, then fell and ended predicting one class
-(GM 10.0 at round 50, weights finite, all 128 feature units dead on the test set); at ``--lr 0.01`` it ends at GM 85.0, the reference
-row we report.
+(GM 10.0 at round 50, weights finite, all 128 feature units dead on the test set); at ``--lr 0.01`` it ends
+at GM 85.0, the reference row we report.
 Inference: GM = the centrally trained model; it has no personal model, so PM is that model on the clients'
 own test sets (labelled as the global model in the output).
 """
