@@ -86,6 +86,20 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def write_partition(out: Path, fed: Federation, test_sizes: list[int]) -> None:
+    """partition.json: the long-tailed class counts, the client-by-class matrix and the clients' test sizes."""
+    write_json(out / "partition.json", {"train_counts": fed.train_counts, "client_class_counts": fed.counts,
+                                        "client_test_sizes": test_sizes})
+
+
+def run_summary(out: Path, method: str, wall_time: float, history: list[dict], final: dict, **extra) -> dict:
+    """summary.json's content, the same for both engines: final and last-3 metrics, traffic, wall time."""
+    return {"run_dir": str(out), "method": method, "wall_time": wall_time, "last3": mean_last(history),
+            "final": final, "bytes_per_round_per_client": {
+                "up": float(np.mean([h["bytes_up_per_client"] for h in history])),
+                "down": float(np.mean([h["bytes_down_per_client"] for h in history]))}, **extra}
+
+
 def _jsonable(o):
     if isinstance(o, (np.integer,)):
         return int(o)
@@ -116,8 +130,7 @@ def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | 
     ck = load_checkpoint(out / CHECKPOINT, config) if resume else None
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", config)
-    write_json(out / "partition.json", {"train_counts": fed.train_counts, "client_class_counts": fed.counts,
-                                        "client_test_sizes": [len(c.test_y) for c in fed.clients]})
+    write_partition(out, fed, [len(c.test_y) for c in fed.clients])
     echo(fed.summary())
     sim = Simulation(method, fed, EngineConfig(cfg.rounds, cfg.participation, cfg.eval_every, cfg.seed,
                                                cfg.split, progress))
@@ -143,11 +156,7 @@ def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | 
     snapshot_heads(sim)
     final = sim.run()
     log.close()
-    summary = {"run_dir": str(out), "method": cfg.method, "wall_time": elapsed + time.perf_counter() - t0,
-               "last3": mean_last(sim.history), "final": final,
-               "bytes_per_round_per_client": {
-                   "up": float(np.mean([h["bytes_up_per_client"] for h in sim.history])),
-                   "down": float(np.mean([h["bytes_down_per_client"] for h in sim.history]))}}
+    summary = run_summary(out, cfg.method, elapsed + time.perf_counter() - t0, sim.history, final)
     if ck is not None:
         summary["resumed_after_round"] = ck["sim"]["round"]
     clients = {cid: h for cid, cs in sorted(sim.client_states.items()) if (h := head_like(cs, C))}

@@ -40,7 +40,7 @@ from ..data.datasets import load_dataset
 from ..data.federated import Prep
 from ..engine.simulation import clients_per_round, sampling_schedule
 from ..errors import ConfigError
-from ..experiment import _jsonable, format_summary, make_spec, mean_last, run_dir_for, write_json
+from ..experiment import _jsonable, format_summary, make_spec, run_dir_for, run_summary, write_json, write_partition
 from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
 from ..registry import METHODS
 from .client_app import global_state_records, job_text
@@ -300,8 +300,7 @@ class FedltStrategy(Strategy):
                                          "engine": "flower", "flower": {
                                              "round_timeout": self.round_timeout, "wait_timeout": self.wait_timeout,
                                              "nodes": {str(c): n for c, n in sorted(self.nodes.items())}}})
-        write_json(out / "partition.json", {"train_counts": self.fed.train_counts, "client_class_counts": self.fed.counts,
-                                            "client_test_sizes": [self.info[c]["test_size"] for c in sorted(self.info)]})
+        write_partition(out, self.fed, [self.info[c]["test_size"] for c in sorted(self.info)])
         with open(out / "metrics.jsonl", "w", buffering=1) as metrics:
             def log(rec):
                 metrics.write(json.dumps(rec, default=_jsonable) + "\n")
@@ -326,12 +325,8 @@ class FedltStrategy(Strategy):
             else:
                 final = self.evaluate(grid, "final")
             log({"final": final})
-        summary = {"run_dir": str(out), "method": cfg.method, "engine": "flower",
-                   "wall_time": time.perf_counter() - t0, "last3": mean_last(self.history), "final": final,
-                   "bytes_per_round_per_client": {
-                       "up": float(np.mean([h["bytes_up_per_client"] for h in self.history])),
-                       "down": float(np.mean([h["bytes_down_per_client"] for h in self.history]))},
-                   "missing": self.missing}
+        summary = run_summary(out, cfg.method, time.perf_counter() - t0, self.history, final, engine="flower",
+                              missing=self.missing)
         write_json(out / "summary.json", summary)
         torch.save({"state": self.state}, out / "final_state.pt")
         self.echo(format_summary(summary))
