@@ -41,6 +41,11 @@ def clients_per_round(num_clients: int, participation: float) -> int:
     return n
 
 
+def is_eval_round(rnd: int, eval_every: int, rounds: int) -> bool:
+    """Rounds that end with an evaluation: every ``eval_every``-th and the last (both engines)."""
+    return rnd % eval_every == 0 or rnd == rounds
+
+
 def client_generator(seed: int, purpose: int, rnd: int, cid: int) -> torch.Generator:
     s = derive_seed(seed, purpose, rnd, cid)
     torch.manual_seed(s)  # methods that draw from the global RNG stay reproducible too
@@ -158,7 +163,7 @@ class Simulation:
         last = {}
         while self.round < cfg.rounds:
             rec = self.train_round()
-            if self.round % cfg.eval_every == 0 or self.round == cfg.rounds:
+            if is_eval_round(self.round, cfg.eval_every, cfg.rounds):
                 ev = self.evaluate()
                 rec["eval"] = ev
                 last = headline(ev)

@@ -45,7 +45,7 @@ from ..core.api import Message, Method, RunSpec
 from ..data.federated import ClientData, Prep
 from ..engine.simulation import PHASE, TRAIN, client_generator
 from ..errors import ConfigError, DataError
-from ..metrics import client_reports, client_split
+from ..metrics import as_modes, client_reports, client_split
 from ..registry import METHODS
 from .records import control, from_records, load_client_state, records_value, save_client_state, to_records
 
@@ -241,7 +241,7 @@ def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
         gm = m.global_model(records_value(msg.content["fedlt.global"], msg.content["fedlt.global.arrays"]))
         if gm is None:
             raise ConfigError(f"method {m.name} has neither a global nor a personal model")
-        pp, source = {"global": next(iter(gm.values())) if isinstance(gm, dict) else gm}, "global"
+        pp, source = {"global": next(iter(as_modes(gm, "global").values()))}, "global"  # main mode, as simulated
     gsplit = {g: np.asarray(v, dtype=np.int64) for g, v in json.loads(str(ctl["gsplit"])).items()}
     csplit = client_split(node.data.counts, str(ctl["split"]), gsplit)
     reports = client_reports(pp, node.data, m.spec.num_classes, csplit)

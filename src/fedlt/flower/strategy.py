@@ -38,7 +38,7 @@ from ..core.api import Message, Method
 from ..data import Federation
 from ..data.datasets import load_dataset
 from ..data.federated import Prep
-from ..engine.simulation import clients_per_round, sampling_schedule
+from ..engine.simulation import clients_per_round, is_eval_round, sampling_schedule
 from ..errors import ConfigError
 from ..experiment import _jsonable, format_summary, make_spec, run_dir_for, run_summary, write_json, write_partition
 from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
@@ -178,7 +178,7 @@ class FedltStrategy(Strategy):
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[FlwrMessage]:
         c = self.cfg
-        if server_round % c.eval_every and server_round != c.rounds:
+        if not is_eval_round(server_round, c.eval_every, c.rounds):
             return []
         return list(self._eval_messages(list(self.nodes), with_global=not self.method.personalized).values())
 
@@ -308,7 +308,7 @@ class FedltStrategy(Strategy):
             self.log = log
             for rnd in range(1, cfg.rounds + 1):
                 rec = self.train_round(grid, rnd)
-                if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+                if is_eval_round(rnd, cfg.eval_every, cfg.rounds):
                     rec["eval"] = self.evaluate(grid, f"eval {rnd}")
                     self.echo(f"round {rnd}: " + ", ".join(f"{k} {v:.4f}" for k, v in headline(rec["eval"]).items()
                                                          if v is not None))
