@@ -1,7 +1,7 @@
 """On a CUDA device (marker ``gpu``; skipped where CUDA is absent, so CI never runs these):
 
-- every registered method trains 2 rounds on CUDA, learns, and ends within a few points of the CPU run with
-  the same seed (GM and PM);
+- every registered method trains 2 rounds on CUDA (the few that need more on this tiny problem, on a CPU too:
+  ``SLOW``), learns, and ends within a few points of the CPU run with the same seed (GM and PM);
 - ``--deterministic``: two GPU runs with one seed give identical metrics;
 - batched clients on the GPU train as they do one after another (issue 12);
 - bf16 trains; the Flower ClientApp runs with ``device=cuda``.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import method_test_params, small_config
+from conftest import informative_clip_files, method_test_params, small_config
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.experiment import federation_for, prepare
 from fedlt.registry import METHODS
@@ -21,16 +21,25 @@ from fedlt.registry import METHODS
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-FAST = {"fedloge": {"sse_steps": 200}, "fedetf": {"pers_rounds": 2}, "creff": {"match_epochs": 5, "crt_epochs": 10}}
+FAST = {"fedloge": {"sse_steps": 200}, "fedetf": {"pers_rounds": 2}}
+# Methods that do not learn the tiny problem in 2 rounds at the shared test settings -- on the CPU as on CUDA
+# (the H100 showed results identical on both): the rounds and settings of their CPU learning tests.
+SLOW = {"moon": (4, {"mu": 1.0}), "fednh": (6, {}), "perfedavg": (6, {}), "fedyoyo": (6, {"momentum": 0.9}),
+        "creff": (4, {"ipc": 20, "match_epochs": 30, "crt_epochs": 60}),
+        "clip2fl": (4, {"match_epochs": 20, "crt_epochs": 50})}
 _FEDS: dict = {}
 
 
 def _params(method: str) -> dict:
-    return {**FAST.get(method, {}), **method_test_params(method)}  # the files CLIP2FL reads, lighter settings
+    files = informative_clip_files() if method == "clip2fl" else {}  # a teacher worth distilling from
+    return {**method_test_params(method), **FAST.get(method, {}), **SLOW.get(method, (0, {}))[1], **files}
 
 
 def _run(method: str, device: str, **over):
-    cfg = small_config(method=method, params=_params(method), rounds=2, eval_every=2, device=device, **over)
+    rounds = SLOW.get(method, (2,))[0]
+    run = {"rounds": rounds, "eval_every": rounds, **over}
+    cfg = small_config(method=method, params=over.pop("params", None) or _params(method), device=device,
+                       **{k: v for k, v in run.items() if k != "params"})
     key = (device, cfg.clients, cfg.data_placement)
     if key not in _FEDS:
         _FEDS[key] = federation_for(cfg)
@@ -65,20 +74,32 @@ def test_deterministic_gpu_runs_are_identical():
     assert a["global"] == b["global"] and a["personal"] == b["personal"]
 
 
+@pytest.fixture
+def ieee_fp32():
+    """cuDNN convolutions in full float32 for one test: PyTorch lets them use TF32 (10-bit mantissa) by default,
+    and then batched and sequential kernels, summing in other orders, part by about 2e-4 in 2 rounds (seen on
+    an H100; 2e-7 without TF32)."""
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
 @pytest.mark.parametrize("method", ["fedavg", "fedloge", "fedrod", "fedntd"])
-def test_batched_clients_on_the_gpu_equal_one_after_another(method):
+def test_batched_clients_on_the_gpu_equal_one_after_another(method, ieee_fp32):
     sa, a = _run(method, "cuda", client_parallel="off")
     sb, b = _run(method, "cuda", client_parallel="auto")
     assert sb.parallel_chunk() is None
-    for k, v in sa.state["weights"].items():
-        assert torch.allclose(v.float(), sb.state["weights"][k].float(), atol=1e-4), k
+    diff = {k: float((v.float() - sb.state["weights"][k].float()).abs().max()) for k, v in sa.state["weights"].items()}
+    assert max(diff.values()) <= 1e-4, sorted(diff.items(), key=lambda kv: -kv[1])[:3]
     assert abs(_headline(a)[1] - _headline(b)[1]) <= 1e-3
 
 
 def test_bf16_trains_close_to_fp32():
     _, f32 = _run("fedavg", "cuda")
     _, b16 = _run("fedavg", "cuda", precision="bf16")
-    assert _headline(b16)[0] > 0.5 and abs(_headline(b16)[0] - _headline(f32)[0]) <= 0.05
+    # 2 rounds on the tiny problem reach GM of about 0.38 in fp32 and in bf16 on a CPU (chance: 0.1)
+    assert _headline(b16)[0] > 0.3 and abs(_headline(b16)[0] - _headline(f32)[0]) <= 0.05
 
 
 def test_flower_client_app_on_cuda(tmp_path):

@@ -322,27 +322,12 @@ def test_fedic_distils_a_model_better_on_the_tail_than_fedavg(trained):
 
 # ------------------------------------------------------------------------------------------------ CLIP2FL
 @pytest.fixture(scope="module")
-def clip_files(tmp_path_factory):
-    """The tiny random CLIP tower of conftest, with text embeddings that make it an informative teacher: each
-    class's mean tower embedding over the digits data (zero-shot accuracy about 50 %, against 10 % by chance)."""
-    from safetensors.torch import save_file
-
-    from conftest import small_config, tiny_clip_files
-    from fedlt.core.clip import clip_input, load_image_tower
+def clip_files():
+    """conftest's informative tiny CLIP teacher (zero-shot about 50 % on the digits) and the federation."""
+    from conftest import informative_clip_files, small_config
     from fedlt.experiment import federation_for
 
-    files = tiny_clip_files()
-    fed = federation_for(small_config())
-    tower = load_image_tower(files["clip_weights"])
-    e, y = [], []
-    for c in fed.clients:
-        for x, yy in c.batches(512, None, shuffle=False, train=False):
-            e.append(tower(clip_input(x, c.prep.mean, c.prep.std, tower.resolution)))
-            y.append(yy)
-    e, y = F.normalize(torch.cat(e), dim=1), torch.cat(y)
-    path = tmp_path_factory.mktemp("clip") / "text.safetensors"
-    save_file({"text": torch.stack([e[y == k].mean(0) for k in range(C)])}, str(path))
-    return {**files, "text_embeddings": str(path)}, fed
+    return informative_clip_files(), federation_for(small_config())
 
 
 def test_clip_tower_loads_openai_layout_from_safetensors_and_rejects_bad_files(tmp_path):

@@ -98,7 +98,7 @@ class FedIC(FedAvg):
         s, C, d = self.spec, self.spec.num_classes, self.net.feature_dim
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(derive_seed(s.seed, HIGHWAY_INIT))
-            gate = torch.nn.Linear(d, 1, device=s.device)
+            gate = torch.nn.Linear(d, 1).to(s.device)  # drawn on the seeded CPU generator on every device
         st["highway"] = {"scale": torch.ones(C, 1, device=s.device), "bias": torch.zeros(1, device=s.device),
                          "g": torch.ones(C, device=s.device), "beta": torch.zeros(C, device=s.device),
                          "v": gate.weight.detach().clone(), "b_v": gate.bias.detach().clone()}

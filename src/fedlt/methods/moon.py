@@ -49,8 +49,8 @@ class Projected(nn.Module):
     def __init__(self, body: nn.Module, d: int, out_dim: int, device):
         super().__init__()
         self.body = body
-        self.proj = nn.Sequential(nn.Linear(d, d, device=device), nn.ReLU(inplace=True),
-                                  nn.Linear(d, out_dim, device=device))
+        # drawn on the CPU generator (seeded by the caller), then moved: the same head on every device
+        self.proj = nn.Sequential(nn.Linear(d, d), nn.ReLU(inplace=True), nn.Linear(d, out_dim)).to(device)
         self.feature_dim = out_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ class MOON(FedAvg):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(derive_seed(s.seed, PROJ_INIT))
             backbone = Projected(base.backbone, d, self.p.out_dim, s.device)
-            head = nn.Linear(self.p.out_dim, s.num_classes, device=s.device)
+            head = nn.Linear(self.p.out_dim, s.num_classes).to(s.device)  # CPU draw, as above
         return Model(backbone, head, self.p.out_dim, s.num_classes)
 
     def init_client(self, cid, data):
