@@ -82,15 +82,18 @@ def test_placement_puts_data_on_the_gpu_only_when_it_fits():
 
 
 def test_device_and_host_placement_give_the_same_run():
-    """The device path (a copy of the long-tailed subset, rows remapped) and the host path (rows into the
-    dataset itself, each batch gathered and moved) give exactly the same batches, so the same run (the CPU
-    kernels' float rounding may differ with where tensors were allocated: weights to 1e-6)."""
+    """The device path (a copy of the long-tailed subset, rows remapped; without augmentation kept normalised,
+    so a batch is a plain gather) and the host path (rows into the dataset itself, each batch gathered, moved
+    and normalised) give exactly the same batches, so the same run (the CPU kernels' float rounding may differ
+    with where tensors were allocated: weights to 1e-6)."""
     sims = {where: _sim("fedloge", data_placement=where, local_epochs=1) for where in ("device", "host")}
+    assert sims["device"].fed.clients[0]._x.dtype == torch.float32  # normalised once, not per batch
+    assert sims["host"].fed.clients[0]._x.dtype == torch.uint8
     for a, b in zip(sims["device"].fed.clients, sims["host"].fed.clients):
         ga, gb = torch.Generator().manual_seed(a.client_id), torch.Generator().manual_seed(a.client_id)
         for (xa, ya), (xb, yb) in zip(a.batches(16, ga, epochs=2), b.batches(16, gb, epochs=2), strict=True):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
-        assert torch.equal(a.test_x, b.test_x) and torch.equal(a.test_y, b.test_y)
+        assert torch.equal(a.prep(a.test_x), b.prep(b.test_x)) and torch.equal(a.test_y, b.test_y)
     finals = {}
     for where, sim in sims.items():
         assert sim.fed.where == where

@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from .datasets import Dataset, load_dataset
 from .partition import count_matrix
 from .split import default_lt_profile, split_training_set
-from .transforms import augment, to_float
+from .transforms import apply_augment, draw_augment, to_device, to_float
 
 
 def placement(nbytes: int, device: str, mode: str = "auto", free_bytes: int | None = None,
@@ -39,16 +39,24 @@ class Prep:
     def __init__(self, mean, std, augment: str = "none", device: str = "cpu"):
         self.mean, self.std, self.augment, self.device = mean, std, augment, device
         self._norm: tuple[torch.Tensor, torch.Tensor] | None = None  # mean/std on the device, made once
+        self._device = torch.device(device)
 
-    def __call__(self, x: torch.Tensor, gen: torch.Generator | None = None, train: bool = False) -> torch.Tensor:
-        if x.device != torch.device(self.device):
-            if x.device.type == "cpu" and torch.device(self.device).type == "cuda":
-                x = x.pin_memory()
-            x = x.to(self.device, non_blocking=True)
-        x = augment(x, self.augment, gen if train else None)  # evaluation: none, or a centre crop
+    def __call__(self, x: torch.Tensor, gen: torch.Generator | None = None, train: bool = False,
+                 draws: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """``x`` ready for the model; training (``train`` with a ``gen``) augments with draws from ``gen``, or
+        with ``draws`` already made (:meth:`draw`); otherwise the evaluation transform (none, a centre crop)."""
+        if x.device != self._device:
+            x = to_device(x, self._device)
+        if draws is None and train and gen is not None:
+            draws = self.draw(x.shape[0], gen, tuple(x.shape[-2:]))
+        x = apply_augment(x, self.augment, draws)
         if self._norm is None:
             self._norm = tuple(torch.tensor(v, dtype=torch.float32, device=self.device) for v in (self.mean, self.std))
         return to_float(x, *self._norm)
+
+    def draw(self, b: int, gen: torch.Generator, hw: tuple[int, int]) -> tuple[torch.Tensor, ...] | None:
+        """The augmentation's random draws for ``b`` training samples of size ``hw`` (None: no augmentation)."""
+        return draw_augment(self.augment, b, gen, hw)
 
 
 class ClientData:
@@ -96,7 +104,7 @@ class ClientData:
 
     def _store_rows(self, local: torch.Tensor) -> torch.Tensor:
         """Rows of the store for local sample indices (a CPU long tensor), on the store's device."""
-        local = local.to(self._x.device, non_blocking=True)
+        local = to_device(local, self._x.device)
         return local if self.rows is None else self.rows[local]
 
     def _gather(self, rows: torch.Tensor, gen: torch.Generator | None, train: bool):
@@ -109,13 +117,28 @@ class ClientData:
         A pass that would end with a batch of a single sample folds it into the batch before (one batch of
         ``batch_size + 1``): BatchNorm cannot train on one sample, and no sample is left out of the epoch.
         The order of an epoch is drawn on the CPU (from ``gen``) and moved to the store once per epoch."""
+        for rows, draws in self.plan(batch_size, gen, epochs, shuffle, train, drop_last):
+            yield self.load(rows, draws)
+
+    def plan(self, batch_size: int, gen: torch.Generator | None, epochs: int = 1, shuffle: bool = True,
+             train: bool = True, drop_last: bool = False):
+        """What :meth:`batches` yields, before anything is gathered: per batch, the rows of the store (on the
+        store's device) and the augmentation draws (CPU; None without augmentation), drawn from ``gen`` in the
+        order :meth:`batches` draws them. :meth:`load` gathers one batch; the batched executor concatenates the
+        plans of many clients that share a store and loads them with one gather."""
         bounds = batch_bounds(len(self.y), batch_size, drop_last)
         n = len(self.y)
+        augment = train and gen is not None
+        hw = tuple(self._x.shape[-2:])
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen, device="cpu") if shuffle else torch.arange(n, device="cpu")
             order = self._store_rows(order)
             for s, e in bounds:
-                yield self._gather(order[s:e], gen, train)
+                yield order[s:e], (self.prep.draw(e - s, gen, hw) if augment else None)
+
+    def load(self, rows: torch.Tensor, draws: tuple[torch.Tensor, ...] | None = None):
+        """The batch (x, y) of store rows, augmented with ``draws`` (None: not augmented)."""
+        return self.prep(self._x[rows], draws=draws), self._y[rows].to(self.prep.device, non_blocking=True)
 
     def sample_batch(self, idx: torch.Tensor, gen: torch.Generator | None = None, train: bool = True):
         """A batch of the given local indices (for samplers of a method's own: class-balanced, per class, ...)."""
@@ -200,15 +223,27 @@ class Federation:
         return "\n".join(lines)
 
 
-def rows_to(t: torch.Tensor, rows: torch.Tensor | None, device, chunk_bytes: int = 1 << 26) -> torch.Tensor:
+def _normalise_once(ds: Dataset, n: int, device: str, mode: str) -> bool:
+    """Whether a device store keeps its samples normalised (float32) rather than as stored (uint8): for datasets
+    without augmentation (which works on the stored pixels), when the float copy still fits the placement budget
+    (forced ``device`` on a CPU: always). Each batch is then a plain gather, with no conversion per step."""
+    if ds.augment != "none" or ds.x_train.dtype != torch.uint8 or not len(ds.x_train):
+        return False
+    nbytes = n * ds.x_train[0].numel() * 4
+    return placement(nbytes, device, "auto" if str(device).startswith("cuda") else mode) == "device"
+
+
+def rows_to(t: torch.Tensor, rows: torch.Tensor | None, device, chunk_bytes: int = 1 << 26,
+            prep: Prep | None = None) -> torch.Tensor:
     """``t[rows]`` (all rows for None) on ``device``, gathered and copied a chunk of about 64 MB at a time: a
-    memory-mapped dataset is never copied whole into host memory on its way to the GPU."""
+    memory-mapped dataset is never copied whole into host memory on its way to the GPU. With ``prep``: the rows
+    normalised to float32 as ``prep`` would normalise each batch (:func:`to_float`), chunk by chunk."""
     n = len(t) if rows is None else len(rows)
-    out = torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=device)
+    out = torch.empty((n, *t.shape[1:]), dtype=t.dtype if prep is None else torch.float32, device=device)
     step = max(1, chunk_bytes // max(t[0].numel() * t.element_size(), 1)) if len(t) else 1
     for s in range(0, n, step):
-        part = t[s:s + step] if rows is None else t[rows[s:s + step]]
-        out[s:s + len(part)] = part.to(device)
+        part = (t[s:s + step] if rows is None else t[rows[s:s + step]]).to(device)
+        out[s:s + len(part)] = part if prep is None else to_float(part, prep.mean, prep.std)
     return out
 
 
@@ -253,8 +288,9 @@ def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None
     where = placement(len(keep) * row_bytes(ds.x_train) + len(test_y) * row_bytes(ds.x_test), device, placement_mode)
     if where == "device":  # the long-tailed subset and the test set, moved once; clients hold rows into them
         k = torch.from_numpy(keep)
-        src = (rows_to(ds.x_train, k, device), rows_to(ds.y_train, k, device))
-        test = (rows_to(ds.x_test, None, device), rows_to(ds.y_test, None, device))
+        norm = prep if _normalise_once(ds, len(keep) + len(test_y), device, placement_mode) else None
+        src = (rows_to(ds.x_train, k, device, prep=norm), rows_to(ds.y_train, k, device))
+        test = (rows_to(ds.x_test, None, device, prep=norm), rows_to(ds.y_test, None, device))
         rows_of = lambda p: torch.from_numpy(p).to(device)  # noqa: E731  (positions in the subset)
     else:  # host: the dataset's own tensors (possibly memory-mapped), never copied per client
         src, test = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)

@@ -15,22 +15,62 @@ def to_float(x: torch.Tensor, mean, std) -> torch.Tensor:
     return (x.float().div_(255.0) - m) / s
 
 
-def random_crop_flip(x: torch.Tensor, gen: torch.Generator, padding: int = 4) -> torch.Tensor:
-    """Random crop with zero padding and horizontal flip, for a whole batch at once, on ``x``'s device. The
-    offsets and flips are drawn on the CPU from ``gen`` (the same draws whatever the device), then moved."""
-    b, c, h, w = x.shape
-    dev = x.device
-    padded = torch.nn.functional.pad(x, (padding, padding, padding, padding))
+def to_device(t: torch.Tensor, dev: torch.device | str) -> torch.Tensor:
+    """A small CPU tensor (indices, augmentation draws) on ``dev`` without making the host wait: a copy from
+    pageable memory may wait for the GPU's queue, one from pinned memory does not."""
+    dev = torch.device(dev)
+    if dev.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
+def crop_flip_draws(b: int, gen: torch.Generator, padding: int = 4) -> tuple[torch.Tensor, ...]:
+    """The random part of :func:`random_crop_flip` for ``b`` samples, drawn on the CPU from ``gen``."""
     dy = torch.randint(0, 2 * padding + 1, (b,), generator=gen, device="cpu")
     dx = torch.randint(0, 2 * padding + 1, (b,), generator=gen, device="cpu")
     flip = torch.rand(b, generator=gen, device="cpu") < 0.5
-    dy, dx, flip = (t.to(dev, non_blocking=True) for t in (dy, dx, flip))  # no wait for the GPU's queue
+    return dy, dx, flip
+
+
+def apply_crop_flip(x: torch.Tensor, draws: tuple[torch.Tensor, ...], padding: int = 4) -> torch.Tensor:
+    """Crop and flip a batch by drawn offsets and flips (one sample each), on ``x``'s device."""
+    b, c, h, w = x.shape
+    dev = x.device
+    padded = torch.nn.functional.pad(x, (padding, padding, padding, padding))
+    dy, dx, flip = (to_device(t, dev) for t in draws)
     rows = (dy.view(b, 1) + torch.arange(h, device=dev).view(1, h))  # [b, h]
     cols = (dx.view(b, 1) + torch.arange(w, device=dev).view(1, w))  # [b, w]
     cols = torch.where(flip.view(b, 1), cols.flip(1), cols)
     bi = torch.arange(b, device=dev).view(b, 1, 1)
     out = padded.permute(0, 2, 3, 1)[bi, rows.view(b, h, 1), cols.view(b, 1, w)]  # [b, h, w, c]
     return out.permute(0, 3, 1, 2).contiguous()
+
+
+def random_crop_flip(x: torch.Tensor, gen: torch.Generator, padding: int = 4) -> torch.Tensor:
+    """Random crop with zero padding and horizontal flip, for a whole batch at once, on ``x``'s device. The
+    offsets and flips are drawn on the CPU from ``gen`` (the same draws whatever the device), then moved."""
+    return apply_crop_flip(x, crop_flip_draws(x.shape[0], gen, padding), padding)
+
+
+def draw_augment(kind: str, b: int, gen: torch.Generator, hw: tuple[int, int]) -> tuple[torch.Tensor, ...] | None:
+    """The random draws of a training augmentation for ``b`` samples of size ``hw`` (None for ``none``). Drawing
+    apart from applying lets the batched executor draw each client's from its own generator, in its own order,
+    and apply them to all clients' samples at once (the draws of several batches concatenate)."""
+    if kind == "crop-flip":
+        return crop_flip_draws(b, gen)
+    if kind.startswith("rrc-flip@"):
+        return (rrc_theta(b, gen, *hw),)
+    return None
+
+
+def apply_augment(x: torch.Tensor, kind: str, draws: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """A training augmentation with given draws; ``draws`` None: the evaluation transform."""
+    if kind == "crop-flip":
+        return x if draws is None else apply_crop_flip(x, draws)
+    if kind.startswith("rrc-flip@"):
+        size = int(kind.split("@", 1)[1])
+        return center_crop(x, size) if draws is None else apply_rrc(x, draws[0], size)
+    return x
 
 
 def augment(x: torch.Tensor, kind: str, gen: torch.Generator | None) -> torch.Tensor:
@@ -41,12 +81,8 @@ def augment(x: torch.Tensor, kind: str, gen: torch.Generator | None) -> torch.Te
       training: :func:`random_resized_crop_flip` to R x R; evaluation: the R x R centre crop (torchvision's
       ``Resize(256) + CenterCrop(224)`` at R = 224).
     """
-    if kind == "crop-flip":
-        return x if gen is None else random_crop_flip(x, gen)
-    if kind.startswith("rrc-flip@"):
-        size = int(kind.split("@", 1)[1])
-        return center_crop(x, size) if gen is None else random_resized_crop_flip(x, gen, size)
-    return x
+    draws = None if gen is None else draw_augment(kind, x.shape[0], gen, tuple(x.shape[-2:]))
+    return apply_augment(x, kind, draws)
 
 
 def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -66,7 +102,13 @@ def random_resized_crop_flip(x: torch.Tensor, gen: torch.Generator, size: int, s
     (``grid_sample``; no antialiasing, which matters little as cached images are at most 256/224 of ``size``)
     and flipped with probability 1/2. Returns uint8 like the input."""
     b, c, h, w = x.shape
-    dev = x.device
+    return apply_rrc(x, rrc_theta(b, gen, h, w, scale, ratio, attempts), size)
+
+
+def rrc_theta(b: int, gen: torch.Generator, h: int, w: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+              attempts: int = 10) -> torch.Tensor:
+    """The random part of :func:`random_resized_crop_flip`: per sample, the affine map [b, 2, 3] (CPU) from the
+    output grid to its flipped box, in ``grid_sample``'s normalised coordinates (``align_corners=False``)."""
     area = h * w
     cpu = dict(generator=gen, device="cpu")
     target = area * (scale[0] + (scale[1] - scale[0]) * torch.rand(b, attempts, **cpu))
@@ -95,7 +137,12 @@ def random_resized_crop_flip(x: torch.Tensor, gen: torch.Generator, size: int, s
     cx = (left + bw / 2) / w * 2 - 1
     cy = (top + bh / 2) / h * 2 - 1
     zero = torch.zeros(b, device="cpu")
-    theta = torch.stack([torch.stack([sx, zero, cx], 1), torch.stack([zero, sy, cy], 1)], 1).to(dev)
-    grid = torch.nn.functional.affine_grid(theta, [b, c, size, size], align_corners=False)
+    return torch.stack([torch.stack([sx, zero, cx], 1), torch.stack([zero, sy, cy], 1)], 1)
+
+
+def apply_rrc(x: torch.Tensor, theta: torch.Tensor, size: int) -> torch.Tensor:
+    """Resample each sample's box (``theta`` from :func:`rrc_theta`) to ``size`` x ``size``, bilinearly."""
+    b, c = x.shape[:2]
+    grid = torch.nn.functional.affine_grid(to_device(theta, x.device), [b, c, size, size], align_corners=False)
     out = torch.nn.functional.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
     return out.round_().clamp_(0, 255).to(torch.uint8) if x.dtype == torch.uint8 else out

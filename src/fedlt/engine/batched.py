@@ -39,6 +39,7 @@ from torch.func import grad_and_value, vmap
 from ..core.api import Method
 from ..core.steps import LocalSteps, StepModel, Trained, frozen_net, groups_of, split_loss, stats_of
 from ..core.training import autocast
+from ..data.transforms import to_device
 
 
 @dataclass
@@ -79,9 +80,8 @@ def train_batched(method: Method, jobs: list[Job], chunk: int | None = None,
 
 
 def _to(values: list[int], dev: torch.device) -> torch.Tensor:
-    """A small index tensor on ``dev`` without a stream synchronisation (a blocking host-to-GPU copy waits for
-    the GPU to finish its queued work; a non-blocking one from pageable memory does not)."""
-    return torch.tensor(values, device="cpu").to(dev, non_blocking=True)
+    """A small index tensor on ``dev`` without a stream synchronisation (from pinned memory)."""
+    return to_device(torch.tensor(values, device="cpu"), dev)
 
 
 def _same(values: list[torch.Tensor]) -> bool:
@@ -96,6 +96,71 @@ def _check(jobs: list[Job]) -> None:
                 list(s.weights) != list(ref.weights) or list(s.extra) != list(ref.extra):
             raise ValueError("batched clients must share one loss function, training groups, epochs and tensor "
                              "names (per-client values go through LocalSteps.extra)")
+
+
+def _shared_store(jobs: list[Job]) -> bool:
+    """Whether the clients' samples are rows of one store with one preparation (a federation's clients): then
+    a step's batches of all of them are gathered, moved and augmented with one call each."""
+    d0 = jobs[0].data
+    return all(getattr(j.data, "rows", None) is not None and getattr(j.data, "_x", None) is d0._x
+               and j.data.prep is d0.prep for j in jobs)
+
+
+def _loader(jobs: list[Job], batch_size: int, epochs: int):
+    """Per client, an iterator of its batches in its own order from its own generator -- ``(rows, draws)`` plans
+    (one store) or ready ``(x, y)`` batches -- and ``load(items)`` stacking a group's batches as [G, b, ...]."""
+    if _shared_store(jobs):
+        d0 = jobs[0].data
+        iters = [j.data.plan(batch_size, j.make_gen(), epochs=epochs) for j in jobs]
+
+        def load(items):
+            rows = torch.cat([r for r, _ in items]) if len(items) > 1 else items[0][0]
+            draws = None if items[0][1] is None else tuple(torch.cat(parts) for parts in zip(*(d for _, d in items)))
+            x, y = d0.load(rows, draws)
+            G = len(items)
+            return x.view(G, -1, *x.shape[1:]), y.view(G, -1)
+        return iters, load, lambda item: len(item[0])
+    iters = [j.data.batches(batch_size, j.make_gen(), epochs=epochs) for j in jobs]
+    load = lambda items: (torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))  # noqa: E731
+    return iters, load, lambda item: (tuple(item[0].shape), tuple(item[1].shape))
+
+
+class _Float32Norms:
+    """BatchNorm in float32 under autocast while batched: vmap's batch-norm rule cannot mix a bf16/fp16 input
+    with float32 parameters (sequential cuDNN/CPU kernels compute in float32 internally and return the input's
+    dtype; this does the same explicitly). Installed on the template network for one chunk."""
+
+    def __init__(self, net: torch.nn.Module, on: bool):
+        self.mods = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] if on else []
+        self.handles = []
+
+    def __enter__(self):
+        for m in self.mods:
+            self.handles.append(m.register_forward_pre_hook(lambda mod, args: (args[0].float(), *args[1:])))
+            self.handles.append(m.register_forward_hook(lambda mod, args, out: out.to(torch.get_autocast_dtype(
+                out.device.type)) if torch.is_autocast_enabled(out.device.type) else out))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def _sgd(P, grads, M, by_setting) -> None:
+    """``torch.optim.SGD``'s update (no dampening, no Nesterov) on stacked tensors, in place, one foreach call
+    per operation and settings group: ``d = g + wd * p``; ``buf = buf * momentum + d`` (buffers of clients
+    without one start at zero, so their first step gives ``buf = d`` exactly, as SGD's); ``p -= lr * buf``."""
+    for (lr, mom, wd), names in by_setting.items():
+        ps, gs = [P[n] for n in names], [grads[n] for n in names]
+        if wd != 0:
+            torch._foreach_add_(gs, ps, alpha=wd)
+        if mom != 0:
+            ms = [M[n] for n in names]
+            torch._foreach_mul_(ms, mom)
+            torch._foreach_add_(ms, gs)
+            gs = ms
+        torch._foreach_add_(ps, gs, alpha=-lr)
 
 
 def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
@@ -132,13 +197,15 @@ def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
     F_, f_dims = shared_or_stacked(fixed_model)
     C_, c_dims = shared_or_stacked(const_extra)
     settings = {n: groups[n].settings(spec) for n in P}
+    by_setting: dict[tuple, list[str]] = {}
+    for n in P:
+        by_setting.setdefault(settings[n], []).append(n)
     M = {n: torch.zeros_like(P[n]) for n in P if settings[n][1] != 0}
-    has = {n: torch.zeros(K, dtype=torch.bool, device=dev) for n in M}
+    had = {n: [n in j.steps.momentum for j in jobs] for n in M}
     for n in M:
         for k, j in enumerate(jobs):
-            if n in j.steps.momentum:
+            if had[n][k]:
                 M[n][k] = j.steps.momentum[n].detach()
-                has[n][k] = True
     part_names: list[str] = []
 
     def loss_of(tp, bufs, fp, cp, x, y):
@@ -152,75 +219,99 @@ def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
 
     step = vmap(grad_and_value(loss_of, has_aux=True), in_dims=(0, 0, f_dims, c_dims, 0, 0))
     epochs = spec.local_epochs if ref.epochs is None else ref.epochs
-    iters = [j.data.batches(spec.batch_size, j.make_gen(), epochs=epochs) for j in jobs]
-    active = list(range(K))
-    sums: torch.Tensor | None = None
+    iters, load, size_of = _loader(jobs, spec.batch_size, epochs)
+    per_client = [P, B, M, {n: t for n, t in F_.items() if f_dims[n] == 0},
+                  {n: t for n, t in C_.items() if c_dims[n] == 0}]  # the stacks with a client axis
+    A = list(range(K))  # the clients still training, in stack order
+    sums: torch.Tensor | None = None  # [len(A), 1 + parts] loss sums, on the device
+    final_sums: dict[int, torch.Tensor] = {}
     steps = [0] * K
-    while active:
-        batches = {}
-        for k in active:
-            b = next(iters[k], None)
-            if b is not None:
-                batches[k] = b
-        active = list(batches)
-        by_size: dict[tuple, list[int]] = {}
-        for k, (x, y) in batches.items():
-            by_size.setdefault((tuple(x.shape), tuple(y.shape)), []).append(k)
-        for members in by_size.values():
-            whole = len(members) == K
-            rows = _to(members, dev)
-            idx = None if whole else rows
-            pick = (lambda t: t) if whole else (lambda t: t[idx])  # noqa: E731
-            X = torch.stack([batches[k][0] for k in members])
-            Y = torch.stack([batches[k][1] for k in members])
-            tp = {n: pick(t) for n, t in P.items()}
-            bufs = {n: pick(t) for n, t in B.items()}
-            fp = {n: (t if f_dims[n] is None else pick(t)) for n, t in F_.items()}
-            cp = {n: (t if c_dims[n] is None else pick(t)) for n, t in C_.items()}
-            grads, (_, vec) = step(tp, bufs, fp, cp, X, Y)
-            with torch.no_grad():
-                for n, p in tp.items():
-                    lr, mom, wd = settings[n]
-                    d = grads[n] if wd == 0 else grads[n].add(p, alpha=wd)
-                    if mom != 0:
-                        started = has[n] if whole else has[n][idx]
-                        buf = M[n] if whole else M[n][idx]
-                        d = torch.where(started.view(-1, *[1] * (d.dim() - 1)), buf * mom + d, d)
-                        _put(M, n, idx, d)
-                        _put(has, n, idx, torch.ones_like(started))
-                    _put(P, n, idx, p.add(d, alpha=-lr))
-                if not whole:
-                    for n, t in bufs.items():  # BatchNorm statistics updated in the gathered copy
-                        B[n][idx] = t
-                vec = vec.double()
-                if sums is None:
-                    sums = torch.zeros(K, vec.shape[1], dtype=torch.float64, device=dev)
-                sums.index_add_(0, rows, vec)
-            for k in members:
-                steps[k] += 1
-    means = (sums / torch.tensor(steps, dtype=torch.float64, device="cpu").to(dev).clamp_min(1)[:, None]).tolist() \
-        if sums is not None else [[0.0]] * K
-    order = list(net.state_dict())
-    started = {n: h.tolist() for n, h in has.items()}
-    results = []
-    for k, j in enumerate(jobs):
+    index: dict[tuple, torch.Tensor] = {}  # stack positions on the device, made once per set (until A changes)
+    results: list[Trained | None] = [None] * K
+
+    def on_device(positions: list[int]) -> torch.Tensor:
+        key = tuple(positions)
+        if key not in index:
+            index[key] = _to(positions, dev)
+        return index[key]
+
+    def finish(k: int, pos: int) -> None:  # a client's final state, out of the stacks
         weights = {}
         for n in order:
             if n in P:
-                weights[n] = P[n][k].clone()
+                weights[n] = P[n][pos].clone()
             elif n in B:
-                weights[n] = B[n][k].clone()
+                weights[n] = B[n][pos].clone()
             else:
-                weights[n] = F_[n].clone() if f_dims[n] is None else F_[n][k].clone()
-        extra = {n: (P[n][k].clone() if n in P else j.steps.extra[n]) for n in ref.extra}
-        momentum = {n: M[n][k].clone() for n in M if started[n][k]}
-        results.append(Trained(weights, extra, momentum, stats_of(part_names, means[k], steps[k])))
+                weights[n] = F_[n].clone() if f_dims[n] is None else F_[n][pos].clone()
+        extra = {n: (P[n][pos].clone() if n in P else jobs[k].steps.extra[n]) for n in ref.extra}
+        momentum = {n: M[n][pos].clone() for n in M if had[n][k] or steps[k] > 0}
+        if sums is not None:
+            final_sums[k] = sums[pos]
+        results[k] = Trained(weights, extra, momentum, {})
+
+    order = list(net.state_dict())
+    with _Float32Norms(net, spec.precision != "fp32"):
+        while A:
+            batches = {k: b for k in A if (b := next(iters[k], None)) is not None}
+            if len(batches) < len(A):  # clients out of batches leave the stacks (once each, not a gather per step)
+                keep = [pos for pos, k in enumerate(A) if k in batches]
+                for pos, k in enumerate(A):
+                    if k not in batches:
+                        finish(k, pos)
+                if not keep:
+                    break
+                kept = _to(keep, dev)
+                for store in per_client:
+                    for n in store:
+                        store[n] = store[n].index_select(0, kept)
+                F_.update(per_client[3])
+                C_.update(per_client[4])
+                sums = None if sums is None else sums.index_select(0, kept)
+                A = [A[pos] for pos in keep]
+                index.clear()
+            by_size: dict[tuple, list[int]] = {}
+            for pos, k in enumerate(A):
+                by_size.setdefault(size_of(batches[k]), []).append(pos)
+            main, *odd = sorted(by_size.values(), key=len, reverse=True)
+            # Clients whose batch has another size (an epoch's last, partial batch): their state is copied out
+            # before the main step, which then runs over the whole stack with a main client's batch standing in
+            # for theirs; their own step runs on the copies, which are written back over the stand-in's result.
+            copies = []
+            for members in odd:
+                idx = on_device(members)
+                copies.append((members, idx, [{n: t[idx] for n, t in store.items()} for store in per_client]))
+            filler = batches[A[main[0]]]
+            items = [batches[k] for k in A]
+            for members in odd:
+                for pos in members:
+                    items[pos] = filler
+            X, Y = load(items)
+            grads, (_, vec) = step(P, B, F_, C_, X, Y)
+            with torch.no_grad():
+                _sgd(P, grads, M, by_setting)
+                vec = vec.double()
+                if odd:
+                    mask = torch.zeros(len(A), 1, dtype=torch.float64, device=dev).index_fill_(0, on_device(main), 1)
+                    vec = vec * mask
+                sums = vec if sums is None else sums + vec
+            for members, idx, (tp, bufs, mom, fp, cp) in copies:
+                X, Y = load([batches[A[pos]] for pos in members])
+                grads, (_, vec) = step(tp, bufs, {**F_, **fp}, {**C_, **cp}, X, Y)
+                with torch.no_grad():
+                    _sgd(tp, grads, mom, by_setting)
+                    for store, part in zip(per_client[:3], (tp, bufs, mom)):
+                        for n, t in part.items():
+                            store[n][idx] = t
+                    sums.index_add_(0, idx, vec.double())
+            for k in A:
+                steps[k] += 1
+    names = sorted(final_sums)
+    means = {}
+    if names:
+        counts = to_device(torch.tensor([steps[k] for k in names], dtype=torch.float64, device="cpu"), dev)
+        rows = (torch.stack([final_sums[k] for k in names]) / counts.clamp_min(1)[:, None]).tolist()
+        means = dict(zip(names, rows))
+    for k, r in enumerate(results):
+        r.stats = stats_of(part_names, means.get(k, [0.0]), steps[k])
     return results
-
-
-def _put(store: dict[str, torch.Tensor], name: str, idx: torch.Tensor | None, value: torch.Tensor) -> None:
-    """store[name] = value (all clients) or store[name][idx] = value (a group of them)."""
-    if idx is None:
-        store[name] = value
-    else:
-        store[name][idx] = value
