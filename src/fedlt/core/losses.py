@@ -27,3 +27,16 @@ def masked_logits(logits: torch.Tensor, present, value: float = -1e10) -> torch.
     mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
     mask[torch.as_tensor(present, device=logits.device)] = True
     return logits.masked_fill(~mask, value)
+
+
+def linear_heads_ce(heads, y: torch.Tensor) -> torch.Tensor:
+    """Per head, ``F.cross_entropy(F.linear(h, W, b), y)`` for linear heads ``[(h [B, d], W [C, d], b [C]), ...]``
+    sharing the labels ``y``: the heads' losses [H]. Computed as one batched matrix product and one
+    cross-entropy over the stacked logits -- the same values (up to float rounding), with about half the kernel
+    launches of one call per head, which is what a small model's step costs on a GPU."""
+    H = len(heads)
+    X = torch.stack([h for h, _, _ in heads])  # [H, B, d]
+    W = torch.stack([w for _, w, _ in heads])  # [H, C, d]
+    b = torch.stack([c for _, _, c in heads])  # [H, C]
+    logits = torch.baddbmm(b.unsqueeze(1), X, W.transpose(1, 2))  # [H, B, C]
+    return F.cross_entropy(logits.flatten(0, 1), y.repeat(H), reduction="none").view(H, -1).mean(1)

@@ -170,11 +170,11 @@ def run_steps(method, steps: LocalSteps, data, gen: torch.Generator) -> Trained:
     groups = groups_of(steps, params, steps.extra)
     extra = {k: (v.detach().clone().requires_grad_(True) if k in groups else v) for k, v in steps.extra.items()}
     live = {**params, **extra}
-    param_groups = []
-    for g in dict.fromkeys(groups.values()):
-        lr, mom, wd = g.settings(spec)
-        param_groups.append({"params": [live[n] for n, h in groups.items() if h is g], "lr": lr, "momentum": mom,
-                             "weight_decay": wd})
+    by_setting: dict[tuple, list[str]] = {}  # groups with equal settings share one optimiser group: the same
+    for n, g in groups.items():              # update, and one foreach kernel per operation instead of several
+        by_setting.setdefault(g.settings(spec), []).append(n)
+    param_groups = [{"params": [live[n] for n in names], "lr": lr, "momentum": mom, "weight_decay": wd}
+                    for (lr, mom, wd), names in by_setting.items()]
     opt = make_optimizer(param_groups, spec)
     for name, buf in steps.momentum.items():
         opt.state[live[name]]["momentum_buffer"] = buf.detach().clone()

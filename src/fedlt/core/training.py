@@ -65,8 +65,9 @@ class Meter:
         self.steps = 0
 
     def add(self, value: torch.Tensor) -> None:
-        v = value.detach().double()
-        self.total = v if self.total is None else self.total + v
+        if self.total is None:
+            self.total = torch.zeros(value.shape, dtype=torch.float64, device=value.device)
+        self.total.add_(value.detach())  # one kernel: float64 accumulation of the step's value
         self.steps += 1
 
     def mean(self):
@@ -107,7 +108,8 @@ def train_local(model: nn.Module, data, spec: RunSpec, gen: torch.Generator, los
             scaler.update()
         if after_step is not None:
             after_step()
-        meter.add(torch.stack([loss, *extra.values()]) if parts else loss)
+        meter.add(torch.stack([loss, *extra.values()]) if parts and extra else loss)
     if parts:
-        return {"means": meter.mean(), "steps": meter.steps}
+        means = meter.mean()
+        return {"means": means if isinstance(means, list) else [means], "steps": meter.steps}
     return {"loss": meter.mean(), "steps": meter.steps}

@@ -82,7 +82,7 @@ import torch.nn.functional as F
 
 from ..core import LocalSteps, Message, Meter, Method, Predictor, Train, derive_seed, load_weights
 from ..core.etf import KINDS, cached_fixed_classifier, etf_report
-from ..core.losses import masked_logits
+from ..core.losses import linear_heads_ce, masked_logits
 from ..core.personal import personal_net
 from ..errors import ConfigError
 from ..registry import METHODS
@@ -259,9 +259,9 @@ class FedLoGe(Method):
     def stage1_loss(model, x, y, extra):
         h = model.backbone(x)
         hd = h.detach()
-        losses = torch.stack([F.cross_entropy(F.linear(h, extra["fixed.weight"], extra["fixed.bias"]), y),  # theta
-                              F.cross_entropy(model.head(hd), y),  # psi on detached features
-                              F.cross_entropy(F.linear(hd, extra["phi.weight"], extra["phi.bias"]), y)])  # phi_k
+        losses = linear_heads_ce([(h, extra["fixed.weight"], extra["fixed.bias"]),  # theta through the SSE-C
+                                  (hd, model.params["head.weight"], model.params["head.bias"]),  # psi, detached
+                                  (hd, extra["phi.weight"], extra["phi.bias"])], y)  # phi_k, detached
         return losses.sum(), {"loss": losses[0], "loss_psi": losses[1], "loss_phi": losses[2]}
 
     def local_reply(self, payload, cstate, data, out):
