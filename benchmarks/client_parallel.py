@@ -6,8 +6,10 @@ Cases (fmnist-lt data; the ResNets take its 1x28x28 images as they are):
   smallcnn, 10 of 20 clients per round    FedAvg, FedLoGe      goal on a GPU >= 3x
   smallcnn, 100 of 100 clients per round  FedAvg, FedLoGe      goal on a GPU >= 10x
   resnet8 / resnet18, 10 of 20 clients    FedAvg, batch 32     goal on a GPU >= 2x (resnet18)
-It also times ``auto`` against ``off`` (on a CPU ``auto`` is sequential: it must never be slower) and, on
-CUDA, prints the peak GPU memory of the batched round.
+``ceiling``: sum(steps) / max(steps) over the round's clients -- a batched round takes as many steps as its
+largest client, so at an unchanged cost per step it cannot be faster than that. It also times ``auto`` against
+``off`` (on a CPU ``auto`` is sequential: it must never be slower) and, on CUDA, prints the peak GPU memory of
+the batched round.
 
     python benchmarks/client_parallel.py [--device cuda] [--reps 3] [--threads 1] [--cases smallcnn,resnet8]
         [--local-epochs 1]
@@ -19,6 +21,7 @@ import argparse
 import torch
 
 from _common import RunConfig, federation_for, interleaved, simulation
+from fedlt.data.federated import batch_bounds
 
 CASES = {
     "smallcnn": [("fedavg", dict(model="smallcnn")), ("fedloge", dict(model="smallcnn")),
@@ -51,7 +54,8 @@ def main():
     cuda = a.device.startswith("cuda")
     print(f"device {a.device}" + (f" ({torch.cuda.get_device_name()})" if cuda else
                                   f", torch threads {torch.get_num_threads()}") + f", medians of {a.reps}, interleaved")
-    print(f"{'case':<34} {'sequential':>11} {'batched':>10} {'speed-up':>9} {'auto/off':>9} {'peak GPU MB':>12}")
+    print(f"{'case':<34} {'sequential':>11} {'batched':>10} {'speed-up':>9} {'ceiling':>8} {'auto/off':>9} "
+          f"{'peak GPU MB':>12}")
     feds = {}
     for case in a.cases.split(","):
         for method, over in CASES[case]:
@@ -72,8 +76,9 @@ def main():
             peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
             t_off, t_auto = interleaved(one_round(seq, 0), one_round(auto, 0), a.reps)
             label = f"{method} {over['model']} {k} clients/round"
-            print(f"{label:<34} {t_seq:10.3f}s {t_bat:9.3f}s {t_seq / t_bat:8.2f}x {t_auto / t_off:9.2f} "
-                  f"{peak:12.0f}")
+            steps = [len(batch_bounds(len(fed.clients[c]), seq.method.spec.batch_size)) for c in seq.schedule[0]]
+            print(f"{label:<34} {t_seq:10.3f}s {t_bat:9.3f}s {t_seq / t_bat:8.2f}x {sum(steps) / max(steps):7.2f}x "
+                  f"{t_auto / t_off:9.2f} {peak:12.0f}")
 
 
 if __name__ == "__main__":
