@@ -41,14 +41,11 @@ class Prep:
         self._norm: tuple[torch.Tensor, torch.Tensor] | None = None  # mean/std on the device, made once
         self._device = torch.device(device)
 
-    def __call__(self, x: torch.Tensor, gen: torch.Generator | None = None, train: bool = False,
-                 draws: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """``x`` ready for the model; training (``train`` with a ``gen``) augments with draws from ``gen``, or
-        with ``draws`` already made (:meth:`draw`); otherwise the evaluation transform (none, a centre crop)."""
+    def __call__(self, x: torch.Tensor, draws: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """``x`` ready for the model: moved, augmented with ``draws`` (:meth:`draw`; None: the evaluation
+        transform, none or a centre crop), normalised."""
         if x.device != self._device:
             x = to_device(x, self._device)
-        if draws is None and train and gen is not None:
-            draws = self.draw(x.shape[0], gen, tuple(x.shape[-2:]))
         x = apply_augment(x, self.augment, draws)
         if self._norm is None:
             self._norm = tuple(torch.tensor(v, dtype=torch.float32, device=self.device) for v in (self.mean, self.std))
@@ -107,9 +104,6 @@ class ClientData:
         local = to_device(local, self._x.device)
         return local if self.rows is None else self.rows[local]
 
-    def _gather(self, rows: torch.Tensor, gen: torch.Generator | None, train: bool):
-        return self.prep(self._x[rows], gen, train=train), self._y[rows].to(self.prep.device, non_blocking=True)
-
     def batches(self, batch_size: int, gen: torch.Generator, epochs: int = 1, shuffle: bool = True,
                 train: bool = True, drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Mini-batches (x, y) over ``epochs`` passes, shuffled by ``gen``, gathered and augmented as tensors.
@@ -128,13 +122,15 @@ class ClientData:
         plans of many clients that share a store and loads them with one gather."""
         bounds = batch_bounds(len(self.y), batch_size, drop_last)
         n = len(self.y)
-        augment = train and gen is not None
-        hw = tuple(self._x.shape[-2:])
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen, device="cpu") if shuffle else torch.arange(n, device="cpu")
             order = self._store_rows(order)
             for s, e in bounds:
-                yield order[s:e], (self.prep.draw(e - s, gen, hw) if augment else None)
+                yield order[s:e], self._draws(e - s, gen, train)
+
+    def _draws(self, b: int, gen: torch.Generator | None, train: bool):
+        """A training batch's augmentation draws from ``gen`` (None when not training or without a generator)."""
+        return self.prep.draw(b, gen, tuple(self._x.shape[-2:])) if train and gen is not None else None
 
     def load(self, rows: torch.Tensor, draws: tuple[torch.Tensor, ...] | None = None):
         """The batch (x, y) of store rows, augmented with ``draws`` (None: not augmented)."""
@@ -142,7 +138,8 @@ class ClientData:
 
     def sample_batch(self, idx: torch.Tensor, gen: torch.Generator | None = None, train: bool = True):
         """A batch of the given local indices (for samplers of a method's own: class-balanced, per class, ...)."""
-        return self._gather(self._store_rows(idx), gen, train)
+        rows = self._store_rows(idx)
+        return self.load(rows, self._draws(len(rows), gen, train))
 
     def test_batches(self, batch_size: int = 1000):
         n = len(self.test_y)

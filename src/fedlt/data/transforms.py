@@ -64,25 +64,20 @@ def draw_augment(kind: str, b: int, gen: torch.Generator, hw: tuple[int, int]) -
 
 
 def apply_augment(x: torch.Tensor, kind: str, draws: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
-    """A training augmentation with given draws; ``draws`` None: the evaluation transform."""
+    """A dataset's augmentation (``Dataset.augment``) of a stored uint8 batch, with draws from
+    :func:`draw_augment`; ``draws`` None: the evaluation transform.
+
+    - ``none``: as stored. ``crop-flip`` (CIFAR): random crop with 4-pixel padding and flip when training.
+    - ``rrc-flip@R`` (ImageNet-LT, iNaturalist; samples stored as S x S centre crops, S = R * 256 / 224):
+      training: a random resized crop to R x R and a flip (:func:`rrc_theta`, :func:`apply_rrc`); evaluation:
+      the R x R centre crop (torchvision's ``Resize(256) + CenterCrop(224)`` at R = 224).
+    """
     if kind == "crop-flip":
         return x if draws is None else apply_crop_flip(x, draws)
     if kind.startswith("rrc-flip@"):
         size = int(kind.split("@", 1)[1])
         return center_crop(x, size) if draws is None else apply_rrc(x, draws[0], size)
     return x
-
-
-def augment(x: torch.Tensor, kind: str, gen: torch.Generator | None) -> torch.Tensor:
-    """A dataset's augmentation (``Dataset.augment``) of a stored uint8 batch; ``gen`` None: evaluation.
-
-    - ``none``: as stored. ``crop-flip`` (CIFAR): random crop with 4-pixel padding and flip when training.
-    - ``rrc-flip@R`` (ImageNet-LT, iNaturalist; samples stored as S x S centre crops, S = R * 256 / 224):
-      training: :func:`random_resized_crop_flip` to R x R; evaluation: the R x R centre crop (torchvision's
-      ``Resize(256) + CenterCrop(224)`` at R = 224).
-    """
-    draws = None if gen is None else draw_augment(kind, x.shape[0], gen, tuple(x.shape[-2:]))
-    return apply_augment(x, kind, draws)
 
 
 def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -92,23 +87,15 @@ def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
     return x[..., top: top + size, left: left + size]
 
 
-def random_resized_crop_flip(x: torch.Tensor, gen: torch.Generator, size: int, scale=(0.08, 1.0),
-                             ratio=(3 / 4, 4 / 3), attempts: int = 10) -> torch.Tensor:
-    """torchvision's ``RandomResizedCrop(size, scale, ratio)`` + ``RandomHorizontalFlip`` for a whole batch.
+def rrc_theta(b: int, gen: torch.Generator, h: int, w: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+              attempts: int = 10) -> torch.Tensor:
+    """torchvision's ``RandomResizedCrop(size, scale, ratio)`` + ``RandomHorizontalFlip``, the random part, for
+    ``b`` samples of ``h`` x ``w``: per sample, the affine map [b, 2, 3] (CPU) from the output grid to its flipped
+    box, in ``grid_sample``'s normalised coordinates (``align_corners=False``); :func:`apply_rrc` resamples.
 
     Per sample, up to ``attempts`` boxes of area ``U(scale) * H * W`` and aspect ``exp(U(log ratio))`` are
     drawn (all at once, on the CPU from ``gen``); the first that fits is used, else the centre box with the
-    aspect clamped to ``ratio``. Boxes are resampled to ``size`` x ``size`` by bilinear interpolation
-    (``grid_sample``; no antialiasing, which matters little as cached images are at most 256/224 of ``size``)
-    and flipped with probability 1/2. Returns uint8 like the input."""
-    b, c, h, w = x.shape
-    return apply_rrc(x, rrc_theta(b, gen, h, w, scale, ratio, attempts), size)
-
-
-def rrc_theta(b: int, gen: torch.Generator, h: int, w: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
-              attempts: int = 10) -> torch.Tensor:
-    """The random part of :func:`random_resized_crop_flip`: per sample, the affine map [b, 2, 3] (CPU) from the
-    output grid to its flipped box, in ``grid_sample``'s normalised coordinates (``align_corners=False``)."""
+    aspect clamped to ``ratio``; flipped with probability 1/2."""
     area = h * w
     cpu = dict(generator=gen, device="cpu")
     target = area * (scale[0] + (scale[1] - scale[0]) * torch.rand(b, attempts, **cpu))
@@ -141,7 +128,9 @@ def rrc_theta(b: int, gen: torch.Generator, h: int, w: int, scale=(0.08, 1.0), r
 
 
 def apply_rrc(x: torch.Tensor, theta: torch.Tensor, size: int) -> torch.Tensor:
-    """Resample each sample's box (``theta`` from :func:`rrc_theta`) to ``size`` x ``size``, bilinearly."""
+    """Resample each sample's box (``theta`` from :func:`rrc_theta`) to ``size`` x ``size`` by bilinear
+    interpolation (``grid_sample``; no antialiasing, which matters little as cached images are at most 256/224
+    of ``size``). Returns uint8 like the input."""
     b, c = x.shape[:2]
     grid = torch.nn.functional.affine_grid(to_device(theta, x.device), [b, c, size, size], align_corners=False)
     out = torch.nn.functional.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)

@@ -133,12 +133,18 @@ class _Float32Norms:
     def __init__(self, net: torch.nn.Module, on: bool):
         self.mods = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] if on else []
         self.handles = []
+        self.dtypes: dict[torch.nn.Module, torch.dtype] = {}  # each module's input dtype, for its output
+
+    def _in(self, mod, args):
+        self.dtypes[mod] = args[0].dtype
+        return (args[0].float(), *args[1:])
+
+    def _out(self, mod, args, out):
+        return out.to(self.dtypes[mod])
 
     def __enter__(self):
         for m in self.mods:
-            self.handles.append(m.register_forward_pre_hook(lambda mod, args: (args[0].float(), *args[1:])))
-            self.handles.append(m.register_forward_hook(lambda mod, args, out: out.to(torch.get_autocast_dtype(
-                out.device.type)) if torch.is_autocast_enabled(out.device.type) else out))
+            self.handles += [m.register_forward_pre_hook(self._in), m.register_forward_hook(self._out)]
         return self
 
     def __exit__(self, *exc):
