@@ -9,7 +9,8 @@ Cases (fmnist-lt data; the ResNets take its 1x28x28 images as they are):
 ``ceiling``: sum(steps) / max(steps) over the round's clients -- a batched round takes as many steps as its
 largest client, so at an unchanged cost per step it cannot be faster than that. It also times ``auto`` against
 ``off`` (on a CPU ``auto`` is sequential: it must never be slower) and, on CUDA, prints the peak GPU memory of
-the batched round.
+the batched round. On CUDA, ``+graphs`` times the batched round with ``--cuda-graphs`` (each step replayed as one
+CUDA graph) against the same sequential round.
 
     python benchmarks/client_parallel.py [--device cuda] [--reps 3] [--threads 1] [--cases smallcnn,resnet8]
         [--local-epochs 1]
@@ -54,8 +55,8 @@ def main():
     cuda = a.device.startswith("cuda")
     print(f"device {a.device}" + (f" ({torch.cuda.get_device_name()})" if cuda else
                                   f", torch threads {torch.get_num_threads()}") + f", medians of {a.reps}, interleaved")
-    print(f"{'case':<34} {'sequential':>11} {'batched':>10} {'speed-up':>9} {'ceiling':>8} {'auto/off':>9} "
-          f"{'peak GPU MB':>12}")
+    print(f"{'case':<34} {'sequential':>11} {'batched':>10} {'speed-up':>9} {'+graphs':>9} {'speed-up':>9} "
+          f"{'ceiling':>8} {'auto/off':>9} {'peak GPU MB':>12}")
     feds = {}
     for case in a.cases.split(","):
         for method, over in CASES[case]:
@@ -68,17 +69,25 @@ def main():
             k = len(seq.schedule[0])
             bat = simulation(method, fed, client_parallel=str(k), **base)
             auto = simulation(method, fed, client_parallel="auto", **base)
-            for s in (seq, bat, auto):
-                one_round(s, 0)()  # warm-up: first-call allocations, kernels, the fixed classifier
+            gra = simulation(method, fed, client_parallel=str(k), cuda_graphs=True, **base) if cuda else None
+            for s in (seq, bat, auto, gra):
+                if s is not None:  # warm-up: first-call allocations, kernels, the fixed classifier, the graphs
+                    one_round(s, 0)()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             t_seq, t_bat = interleaved(one_round(seq, 0), one_round(bat, 0), a.reps)
             peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
             t_off, t_auto = interleaved(one_round(seq, 0), one_round(auto, 0), a.reps)
+            graphs = "-"
+            if gra is not None:
+                t_s2, t_gra = interleaved(one_round(seq, 0), one_round(gra, 0), a.reps)
+                graphs = f"{t_gra:8.3f}s {t_s2 / t_gra:8.2f}x" + ("" if gra.graphs.failed is None else " (no capture)")
             label = f"{method} {over['model']} {k} clients/round"
             steps = [len(batch_bounds(len(fed.clients[c]), seq.method.spec.batch_size)) for c in seq.schedule[0]]
-            print(f"{label:<34} {t_seq:10.3f}s {t_bat:9.3f}s {t_seq / t_bat:8.2f}x {sum(steps) / max(steps):7.2f}x "
-                  f"{t_auto / t_off:9.2f} {peak:12.0f}")
+            print(f"{label:<34} {t_seq:10.3f}s {t_bat:9.3f}s {t_seq / t_bat:8.2f}x {graphs:>19} "
+                  f"{sum(steps) / max(steps):7.2f}x {t_auto / t_off:9.2f} {peak:12.0f}")
+            if gra is not None and gra.graphs.failed is not None:
+                print(f"  graph capture failed: {gra.graphs.failed}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 1. engine round vs a plain GPU loop on the same clients' samples (FedAvg, fmnist-lt)   goal <= 1.10
 2. FedLoGe round vs FedAvg round (fmnist-lt, same clients and batches)                goal <= 1.15
+   2b. the same with each client's steps replayed as CUDA graphs (--client-parallel 1 --cuda-graphs)
 3. resnet18 round in bf16 vs fp32 (10 clients, batch 32, fmnist-lt images)            goal >= 1.5x
 4. 15 fmnist-lt runs (5 seeds x 3 methods) with `fedlt sweep --jobs 15` vs one after another, the latter
    extrapolated from --sample runs                                                     goal >= 5x
@@ -76,6 +77,13 @@ def main():
     t_l, t_a = rounds_ab(simulation("fedloge", fed, device="cuda", client_parallel="off"),
                          simulation("fedavg", fed, device="cuda", client_parallel="off"), a.reps)
     print(f"2. FedLoGe round {t_l:.3f} s   FedAvg round {t_a:.3f} s   ratio {t_l / t_a:.3f}   (goal <= 1.15)")
+    g = dict(device="cuda", client_parallel="1", cuda_graphs=True)  # one client at a time, each step one graph
+    sims = simulation("fedloge", fed, **g), simulation("fedavg", fed, **g)
+    t_lg, t_ag = rounds_ab(*sims, a.reps)
+    failed = next((s.graphs.failed for s in sims if s.graphs.failed), None)
+    print(f"2b. --client-parallel 1 --cuda-graphs: FedLoGe round {t_lg:.3f} s   FedAvg round {t_ag:.3f} s   ratio "
+          f"{t_lg / t_ag:.3f}; FedAvg {t_a / t_ag:.2f}x faster than without graphs"
+          + (f"   (capture failed: {failed})" if failed else ""))
     t_b, t_f = rounds_ab(simulation("fedavg", fed, device="cuda", model="resnet18", precision="bf16"),
                          simulation("fedavg", fed, device="cuda", model="resnet18", precision="fp32"), a.reps)
     print(f"3. resnet18 round bf16 {t_b:.3f} s   fp32 {t_f:.3f} s   speed-up {t_f / t_b:.2f}x   (goal >= 1.5x)")

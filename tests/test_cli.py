@@ -56,6 +56,8 @@ def test_config_file_with_command_line_override(tmp_path):
     (["--precision", "fp16"], "fp16 needs a CUDA device"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "nonsense"], "device"),
     (["--client-parallel", "0"], "client-parallel must be auto, off or a number of clients >= 1"),
+    (["--cuda-graphs"] if not torch.cuda.is_available() else ["--cuda-graphs", "--client-parallel", "off"],
+     "--cuda-graphs"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, needle):
     args = [a.replace("EMPTY", str(tmp_path / "empty")) for a in args]

@@ -3,7 +3,8 @@
 - every registered method trains 2 rounds on CUDA (the few that need more on this tiny problem, on a CPU too:
   ``SLOW``), learns, and ends within a few points of the CPU run with the same seed (GM and PM);
 - ``--deterministic``: two GPU runs with one seed give identical metrics;
-- batched clients on the GPU train as they do one after another (issue 12);
+- batched clients on the GPU train as they do one after another (issue 12), also with their steps replayed as
+  CUDA graphs (``--cuda-graphs``);
 - bf16 trains; the Flower ClientApp runs with ``device=cuda``.
 
     PYTHONPATH=src python -m pytest -m gpu
@@ -85,11 +86,14 @@ def ieee_fp32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("method", ["fedavg", "fedloge", "fedrod", "fedntd"])
-def test_batched_clients_on_the_gpu_equal_one_after_another(method, ieee_fp32):
+def test_batched_clients_on_the_gpu_equal_one_after_another(method, graphs, ieee_fp32):
     sa, a = _run(method, "cuda", client_parallel="off")
-    sb, b = _run(method, "cuda", client_parallel="auto")
+    sb, b = _run(method, "cuda", client_parallel="auto", cuda_graphs=graphs)
     assert sb.parallel_chunk() is None
+    if graphs:  # captured, replayed, and no capture failed (a failure would fall back to eager steps)
+        assert sb.graphs.failed is None and sb.graphs.captured >= 1 and sb.graphs.replays > 0, sb.graphs.failed
     diff = {k: float((v.float() - sb.state["weights"][k].float()).abs().max()) for k, v in sa.state["weights"].items()}
     assert max(diff.values()) <= 1e-4, sorted(diff.items(), key=lambda kv: -kv[1])[:3]
     assert abs(_headline(a)[1] - _headline(b)[1]) <= 1e-3

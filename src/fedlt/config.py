@@ -56,6 +56,7 @@ class RunConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler, CUDA only)
     channels_last: str = "auto"  # auto | on | off: convolutional models in channels_last memory format
     client_parallel: str = "auto"  # auto | off | N: clients trained together (engine.batched)
+    cuda_graphs: bool = False  # batched clients' steps replayed as CUDA graphs (engine.graphs)
     deterministic: bool = False  # deterministic algorithms and cuDNN settings
     threads: int | None = None
     # divergence: a non-finite training loss or global weights stop the run (exit status 3) unless "continue";
@@ -281,6 +282,12 @@ def validate(cfg: RunConfig) -> None:
     cp = str(cfg.client_parallel)
     if cp not in ("auto", "off") and not (cp.isdigit() and int(cp) >= 1):
         raise ConfigError(f"client-parallel must be auto, off or a number of clients >= 1, got {cp!r}")
+    if cfg.cuda_graphs and not cfg.device.startswith("cuda"):
+        raise ConfigError("--cuda-graphs needs --device cuda (graphs are captured on a GPU); drop it on a CPU")
+    if cfg.cuda_graphs and (cp == "off" or cfg.precision == "fp16"):
+        raise ConfigError("--cuda-graphs replays batched clients' steps, and " +
+                          ("--client-parallel off" if cp == "off" else "fp16 (its gradient scaler)") +
+                          " trains one client after another; use --client-parallel auto or N, and fp32 or bf16")
     if cfg.precision == "fp16" and not cfg.device.startswith("cuda"):
         raise ConfigError("precision fp16 needs a CUDA device (a CPU has no fast fp16 training); use --precision "
                           "bf16 or fp32 on a CPU")

@@ -71,6 +71,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--client-parallel", metavar="auto|off|N",
                    help="train a round's clients together (methods that describe their local steps): auto "
                         "(default: all at once on CUDA, one after another on a CPU), off, or N per chunk")
+    g.add_argument("--cuda-graphs", action="store_true", default=None,
+                   help="replay each batched step as one CUDA graph (fewer launches; --client-parallel on CUDA)")
     g.add_argument("--deterministic", action="store_true", default=None,
                    help="deterministic algorithms and cuDNN settings (slower on a GPU)")
     g.add_argument("--data-placement", choices=["auto", "device", "host"],

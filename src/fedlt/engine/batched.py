@@ -27,6 +27,11 @@ retried (with fresh generators, so the batches are the same) whenever CUDA runs 
 fitted is kept for the later rounds.
 Not batched (run one client after another by the simulation): fp16 (its gradient scaler), methods with a loop of
 their own.
+
+Static mode (``--cuda-graphs``, ``engine.graphs``): the stacks keep their size and storage for the whole chunk,
+so that each step can be replayed as one CUDA graph. A client out of batches then stays in the stacks and steps
+on a stand-in batch, but its result was taken out when it finished and nothing of its row is read again; the
+loss sums are masked to the clients that really stepped, and the learning rates are device tensors.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from ..core.api import Method
 from ..core.steps import LocalSteps, StepModel, Trained, frozen_net, groups_of, split_loss, stats_of
 from ..core.training import autocast
 from ..data.transforms import to_device
+from .graphs import StepGraphs
 
 
 @dataclass
@@ -57,20 +63,23 @@ def _oom_errors() -> tuple[type, ...]:
 
 
 def train_batched(method: Method, jobs: list[Job], chunk: int | None = None,
-                  fit: int | None = None) -> tuple[list[Trained], int]:
+                  fit: int | None = None, graphs: StepGraphs | None = None) -> tuple[list[Trained], int]:
     """Train every job's client, ``chunk`` clients at a time; ``chunk`` None: as many as fit, starting from
-    ``fit`` (the size that fitted last time) and halving on a CUDA out-of-memory error. Returns the results, in
-    the jobs' order, and the chunk size that fitted."""
+    ``fit`` (the size that fitted last time) and halving on a CUDA out-of-memory error. ``graphs``: static mode,
+    steps replayed as CUDA graphs where it captures (``engine.graphs``). Returns the results, in the jobs' order,
+    and the chunk size that fitted."""
     out: list[Trained] = []
     size = chunk or min(fit or len(jobs), len(jobs))
     i = 0
     while i < len(jobs):
         part = jobs[i:i + size]
         try:
-            out += _train_chunk(method, part)
+            out += _train_chunk(method, part, graphs)
         except _oom_errors():
             if chunk is not None or size == 1:
                 raise
+            if graphs is not None:
+                graphs.reset()
             size = max(1, size // 2)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -153,11 +162,12 @@ class _Float32Norms:
         self.handles.clear()
 
 
-def _sgd(P, grads, M, by_setting) -> None:
+def _sgd(P, grads, M, by_setting, lrs=None) -> None:
     """``torch.optim.SGD``'s update (no dampening, no Nesterov) on stacked tensors, in place, one foreach call
     per operation and settings group: ``d = g + wd * p``; ``buf = buf * momentum + d`` (buffers of clients
-    without one start at zero, so their first step gives ``buf = d`` exactly, as SGD's); ``p -= lr * buf``."""
-    for (lr, mom, wd), names in by_setting.items():
+    without one start at zero, so their first step gives ``buf = d`` exactly, as SGD's); ``p -= lr * buf``.
+    ``lrs``: each group's lr as a device tensor (static mode: a graph outlives a round's lr)."""
+    for i, ((lr, mom, wd), names) in enumerate(by_setting.items()):
         ps, gs = [P[n] for n in names], [grads[n] for n in names]
         if wd != 0:
             torch._foreach_add_(gs, ps, alpha=wd)
@@ -166,15 +176,21 @@ def _sgd(P, grads, M, by_setting) -> None:
             torch._foreach_mul_(ms, mom)
             torch._foreach_add_(ms, gs)
             gs = ms
-        torch._foreach_add_(ps, gs, alpha=-lr)
+        if lrs is None:
+            torch._foreach_add_(ps, gs, alpha=-lr)
+        else:
+            torch._foreach_add_(ps, torch._foreach_mul(gs, -lrs[i]))
 
 
-def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
+def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = None) -> list[Trained]:
+    """Train one chunk of clients together. With ``graphs`` (static mode, see ``engine.graphs``) the stacks keep
+    their size and storage: clients without a batch stay in them with their update masked out."""
     _check(jobs)
     spec, net = method.spec, method.net
     ref = jobs[0].steps
     K = len(jobs)
     dev = torch.device(spec.device)
+    static = graphs is not None
     net.train()
     frozen = frozen_net(method)
     param_names = [n for n, _ in net.named_parameters()]
@@ -212,6 +228,21 @@ def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
         for k, j in enumerate(jobs):
             if had[n][k]:
                 M[n][k] = j.steps.momentum[n].detach()
+    if static:  # the chunk's tensors, in storage that the graphs of earlier chunks of this shape read and write
+        lrs = torch.tensor([lr for lr, _, _ in by_setting], dtype=torch.float32, device=dev)
+        # unbatched tensors are the jobs' own (the received model, a fixed classifier): keep copies, since later
+        # chunks are copied into what is kept
+        T = {"P": P, "B": B, "M": M, "F": {n: t if f_dims[n] == 0 else t.clone() for n, t in F_.items()},
+             "C": {n: t if c_dims[n] == 0 else t.clone() for n, t in C_.items()}, "S": {"lrs": lrs}}
+        shape = (K, ref.loss, spec.precision, tuple((names, mom, wd) for (_, mom, wd), names in
+                                                    ((key, tuple(v)) for key, v in by_setting.items())),
+                 tuple(f_dims.items()), tuple(c_dims.items()),
+                 tuple((part, n, tuple(t.shape), t.dtype) for part, ts in T.items() for n, t in ts.items()))
+        bound = graphs.bind(shape, T)
+        T = bound.tensors
+        P, B, M, F_, C_ = T["P"], T["B"], T["M"], T["F"], T["C"]
+        if "sums" in T:
+            T["sums"]["sums"].zero_()
     part_names: list[str] = []
 
     def loss_of(tp, bufs, fp, cp, x, y):
@@ -224,15 +255,31 @@ def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
         return total, torch.stack([total, *parts.values()]).detach()
 
     step = vmap(grad_and_value(loss_of, has_aux=True), in_dims=(0, 0, f_dims, c_dims, 0, 0))
+
+    def static_step(X, Y, keep) -> None:
+        """One step of every row of the stacks; the loss sums only of the rows where ``keep`` is 1. (A row
+        without its own batch -- a finished client, whose result was taken out when it finished, or one with an
+        odd-sized batch, whose state is written back after its own step -- may train on the stand-in: nothing of
+        it is read.) Writes only into ``T``'s tensors."""
+        grads, (_, vec) = step(T["P"], T["B"], T["F"], T["C"], X, Y)
+        with torch.no_grad():
+            _sgd(T["P"], grads, T["M"], by_setting, T["S"]["lrs"])
+            vec = vec.double() * keep
+            if "sums" not in T:
+                T["sums"] = {"sums": torch.zeros_like(vec)}
+            T["sums"]["sums"].add_(vec)
+
     epochs = spec.local_epochs if ref.epochs is None else ref.epochs
     iters, load, size_of = _loader(jobs, spec.batch_size, epochs)
     per_client = [P, B, M, {n: t for n, t in F_.items() if f_dims[n] == 0},
                   {n: t for n, t in C_.items() if c_dims[n] == 0}]  # the stacks with a client axis
-    A = list(range(K))  # the clients still training, in stack order
-    sums: torch.Tensor | None = None  # [len(A), 1 + parts] loss sums, on the device
+    A = list(range(K))  # the clients still training
+    slot = {k: k for k in A}  # each one's row in the stacks (static: fixed; else: rows of A's clients)
+    sums: torch.Tensor | None = None  # [rows, 1 + parts] loss sums, on the device
     final_sums: dict[int, torch.Tensor] = {}
     steps = [0] * K
-    index: dict[tuple, torch.Tensor] = {}  # stack positions on the device, made once per set (until A changes)
+    index: dict[tuple, torch.Tensor] = {}  # row positions on the device, made once per set (until A changes)
+    masks: dict[tuple, torch.Tensor] = {}  # per set of rows that step, a [rows, 1] mask of them
     results: list[Trained | None] = [None] * K
 
     def on_device(positions: list[int]) -> torch.Tensor:
@@ -240,6 +287,12 @@ def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
         if key not in index:
             index[key] = _to(positions, dev)
         return index[key]
+
+    def mask_of(rows: list[int], n: int) -> torch.Tensor:  # [n, 1] float64: 1 on ``rows``, else 0
+        key = (n, *sorted(rows))
+        if key not in masks:
+            masks[key] = torch.zeros(n, 1, dtype=torch.float64, device=dev).index_fill_(0, on_device(key[1:]), 1)
+        return masks[key]
 
     def finish(k: int, pos: int) -> None:  # a client's final state, out of the stacks
         weights = {}
@@ -253,32 +306,34 @@ def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
         extra = {n: (P[n][pos].clone() if n in P else jobs[k].steps.extra[n]) for n in ref.extra}
         momentum = {n: M[n][pos].clone() for n in M if had[n][k] or steps[k] > 0}
         if sums is not None:
-            final_sums[k] = sums[pos]
+            final_sums[k] = sums[pos].clone()
         results[k] = Trained(weights, extra, momentum, {})
 
     order = list(net.state_dict())
     with _Float32Norms(net, spec.precision != "fp32"):
         while A:
             batches = {k: b for k in A if (b := next(iters[k], None)) is not None}
-            if len(batches) < len(A):  # clients out of batches leave the stacks (once each, not a gather per step)
-                keep = [pos for pos, k in enumerate(A) if k in batches]
-                for pos, k in enumerate(A):
+            if len(batches) < len(A):  # clients out of batches are done (and, unless static, leave the stacks)
+                for k in A:
                     if k not in batches:
-                        finish(k, pos)
-                if not keep:
+                        finish(k, slot[k])
+                A = [k for k in A if k in batches]
+                if not A:
                     break
-                kept = _to(keep, dev)
-                for store in per_client:
-                    for n in store:
-                        store[n] = store[n].index_select(0, kept)
-                F_.update(per_client[3])
-                C_.update(per_client[4])
-                sums = None if sums is None else sums.index_select(0, kept)
-                A = [A[pos] for pos in keep]
-                index.clear()
+                if not static:  # once each, not a gather per step
+                    kept = _to([slot[k] for k in A], dev)
+                    for store in per_client:
+                        for n in store:
+                            store[n] = store[n].index_select(0, kept)
+                    F_.update(per_client[3])
+                    C_.update(per_client[4])
+                    sums = None if sums is None else sums.index_select(0, kept)
+                    slot = {k: i for i, k in enumerate(A)}
+                    index.clear()
+                    masks.clear()
             by_size: dict[tuple, list[int]] = {}
-            for pos, k in enumerate(A):
-                by_size.setdefault(size_of(batches[k]), []).append(pos)
+            for k in A:
+                by_size.setdefault(size_of(batches[k]), []).append(slot[k])
             main, *odd = sorted(by_size.values(), key=len, reverse=True)
             # Clients whose batch has another size (an epoch's last, partial batch): their state is copied out
             # before the main step, which then runs over the whole stack with a main client's batch standing in
@@ -287,22 +342,26 @@ def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
             for members in odd:
                 idx = on_device(members)
                 copies.append((members, idx, [{n: t[idx] for n, t in store.items()} for store in per_client]))
-            filler = batches[A[main[0]]]
-            items = [batches[k] for k in A]
-            for members in odd:
-                for pos in members:
-                    items[pos] = filler
+            of_row = {slot[k]: batches[k] for k in A}
+            filler = of_row[main[0]]
+            items = [filler] * (K if static else len(A))
+            for pos in main:
+                items[pos] = of_row[pos]
             X, Y = load(items)
-            grads, (_, vec) = step(P, B, F_, C_, X, Y)
-            with torch.no_grad():
-                _sgd(P, grads, M, by_setting)
-                vec = vec.double()
-                if odd:
-                    mask = torch.zeros(len(A), 1, dtype=torch.float64, device=dev).index_fill_(0, on_device(main), 1)
-                    vec = vec * mask
-                sums = vec if sums is None else sums + vec
+            if static:
+                graphs.run(bound, (tuple(X.shape), X.dtype, tuple(Y.shape), Y.dtype), static_step, X, Y,
+                           mask_of(main, K))
+                sums = T["sums"]["sums"]
+            else:
+                grads, (_, vec) = step(P, B, F_, C_, X, Y)
+                with torch.no_grad():
+                    _sgd(P, grads, M, by_setting)
+                    vec = vec.double()
+                    if odd:
+                        vec = vec * mask_of(main, len(A))
+                    sums = vec if sums is None else sums + vec
             for members, idx, (tp, bufs, mom, fp, cp) in copies:
-                X, Y = load([batches[A[pos]] for pos in members])
+                X, Y = load([of_row[pos] for pos in members])
                 grads, (_, vec) = step(tp, bufs, {**F_, **fp}, {**C_, **cp}, X, Y)
                 with torch.no_grad():
                     _sgd(tp, grads, mom, by_setting)
@@ -312,6 +371,10 @@ def _train_chunk(method: Method, jobs: list[Job]) -> list[Trained]:
                     sums.index_add_(0, idx, vec.double())
             for k in A:
                 steps[k] += 1
+    if static:
+        if part_names:
+            bound.memo["parts"] = list(part_names)
+        part_names = bound.memo.get("parts", [])
     names = sorted(final_sums)
     means = {}
     if names:

@@ -21,6 +21,7 @@ from ..core.training import autocast
 from ..errors import ConfigError
 from ..metrics import evaluate, headline
 from .batched import Job, train_batched
+from .graphs import StepGraphs
 
 SAMPLING, TRAIN, PHASE = 10, 11, 12
 
@@ -81,6 +82,7 @@ class EngineConfig:
     progress: bool = True
     client_parallel: str = "auto"  # auto | off | N: clients trained together (engine.batched)
     lr: Callable[[int], float] | None = None  # the local lr of each round (config.lr_at); None: spec.lr as given
+    cuda_graphs: bool = False  # batched steps in static mode, replayed as CUDA graphs on CUDA (engine.graphs)
 
     @classmethod
     def of(cls, cfg, progress: bool = True) -> "EngineConfig":
@@ -88,7 +90,7 @@ class EngineConfig:
         from ..config import lr_at
 
         return cls(cfg.rounds, cfg.participation, cfg.eval_every, cfg.seed, cfg.split, progress,
-                   str(cfg.client_parallel), lr=partial(lr_at, cfg))
+                   str(cfg.client_parallel), lr=partial(lr_at, cfg), cuda_graphs=bool(cfg.cuda_graphs))
 
 
 class Simulation:
@@ -104,6 +106,8 @@ class Simulation:
         self.client_states: dict[int, dict] = {}
         self.history: list[dict] = []
         self._fitted_chunk: int | None = None  # batched clients: the chunk size that fitted on the GPU
+        self.graphs = StepGraphs(capture=torch.device(method.spec.device).type == "cuda") if cfg.cuda_graphs \
+            else None  # on a CPU: the static mode's arithmetic without capture (what the tests check)
         self.after_round: list[Callable[["Simulation"], None]] = []
         # called with each round's record after training and before its evaluation (a divergence check)
         self.after_train: list[Callable[["Simulation", dict], None]] = []
@@ -157,7 +161,7 @@ class Simulation:
         payloads = {c: m.configure(self.state, rnd, c) for c in cids}
         jobs = [Job(m.local_steps(payloads[c], self.client_state(c), self.fed.clients[c]), self.fed.clients[c],
                     lambda c=c: client_generator(seed, TRAIN, rnd, c)) for c in cids]
-        trained, fitted = train_batched(m, jobs, chunk, self._fitted_chunk)
+        trained, fitted = train_batched(m, jobs, chunk, self._fitted_chunk, self.graphs)
         if chunk is None:
             self._fitted_chunk = fitted
         replies = []
