@@ -229,7 +229,7 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
             if had[n][k]:
                 M[n][k] = j.steps.momentum[n].detach()
     if static:  # the chunk's tensors, in storage that the graphs of earlier chunks of this shape read and write
-        lrs = torch.tensor([lr for lr, _, _ in by_setting], dtype=torch.float32, device=dev)
+        lrs = to_device(torch.tensor([lr for lr, _, _ in by_setting], dtype=torch.float32), dev)  # no sync
         # unbatched tensors are the jobs' own (the received model, a fixed classifier): keep copies, since later
         # chunks are copied into what is kept
         T = {"P": P, "B": B, "M": M, "F": {n: t if f_dims[n] == 0 else t.clone() for n, t in F_.items()},
