@@ -54,6 +54,16 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def client_steps(sim: Simulation, rnd: int = 0) -> list[int]:
+    """Local steps of each client of round ``rnd + 1``. A batched round takes as many steps as its largest client,
+    so with the cost of a step unchanged it is at most sum / max of these times faster than one client after
+    another (the step ceiling)."""
+    from fedlt.data.federated import batch_bounds
+
+    spec = sim.method.spec
+    return [spec.local_epochs * len(batch_bounds(len(sim.fed.clients[c]), spec.batch_size)) for c in sim.schedule[rnd]]
+
+
 def interleaved(a, b, reps: int) -> tuple[float, float]:
     """Median times of a() and b(), run alternately (A B A B ...) so machine noise hits both alike."""
     ta, tb = [], []
@@ -63,4 +73,4 @@ def interleaved(a, b, reps: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
-__all__ = ["simulation", "federation_for", "RunConfig", "timed", "interleaved", "plain_round"]
+__all__ = ["simulation", "federation_for", "RunConfig", "timed", "interleaved", "plain_round", "client_steps"]

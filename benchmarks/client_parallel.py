@@ -21,8 +21,7 @@ import argparse
 
 import torch
 
-from _common import RunConfig, federation_for, interleaved, simulation
-from fedlt.data.federated import batch_bounds
+from _common import RunConfig, client_steps, federation_for, interleaved, simulation
 
 CASES = {
     "smallcnn": [("fedavg", dict(model="smallcnn")), ("fedloge", dict(model="smallcnn")),
@@ -83,7 +82,7 @@ def main():
                 t_s2, t_gra = interleaved(one_round(seq, 0), one_round(gra, 0), a.reps)
                 graphs = f"{t_gra:8.3f}s {t_s2 / t_gra:8.2f}x" + ("" if gra.graphs.failed is None else " (no capture)")
             label = f"{method} {over['model']} {k} clients/round"
-            steps = [len(batch_bounds(len(fed.clients[c]), seq.method.spec.batch_size)) for c in seq.schedule[0]]
+            steps = client_steps(seq)
             print(f"{label:<34} {t_seq:10.3f}s {t_bat:9.3f}s {t_seq / t_bat:8.2f}x {graphs:>19} "
                   f"{sum(steps) / max(steps):7.2f}x {t_auto / t_off:9.2f} {peak:12.0f}")
             if gra is not None and gra.graphs.failed is not None:

@@ -25,7 +25,7 @@ import functools
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import RunConfig, federation_for, plain_round, simulation
+from _common import RunConfig, client_steps, federation_for, plain_round, simulation
 from fedlt.engine.graphs import StepGraphs
 
 VIEWS = {"view", "permute", "expand", "_unsafe_view", "transpose", "unsqueeze", "slice", "select", "squeeze",
@@ -98,9 +98,7 @@ def main():
 
     seq, go_avg = round_of("fedavg", "off")
     cids = seq.schedule[0]
-    bs, E = seq.method.spec.batch_size, seq.method.spec.local_epochs
-    from fedlt.data.federated import batch_bounds
-    steps = [E * len(batch_bounds(len(fed.clients[c]), bs)) for c in cids]
+    steps = client_steps(seq)
     n = sum(steps)
     plain = plain_round(seq)
     k_plain, k_avg = counted(lambda: plain(0)), counted(go_avg)

@@ -137,9 +137,10 @@ STATIC = [("fedavg", {}), ("fedloge", {"params": {"persist_phi_momentum": "true"
 
 @pytest.mark.parametrize("method,over", STATIC, ids=[f"{m}-{o.get('model', '')}" for m, o in STATIC])
 def test_static_mode_of_cuda_graphs_trains_as_one_after_another(method, over):
-    """--cuda-graphs: the stacks keep their size for a whole chunk (clients out of batches stay in them, masked;
-    the lr is a tensor). Run here without capture -- the arithmetic a graph replays -- with momentum carried in,
-    BatchNorm buffers, a trained extra tensor (FedRoD's personal head) and an anchor (FedProx)."""
+    """--cuda-graphs: the stacks keep their size for a whole chunk (clients out of batches stay in them, only the
+    loss sums are masked; the lr is a tensor). Run here without capture -- the arithmetic a graph replays -- with
+    momentum carried in, BatchNorm buffers, a trained extra tensor (FedRoD's personal head) and an anchor
+    (FedProx)."""
     seq = _sim(method, "off", **over)
     f_seq = seq.run()
     bat = _sim(method, "3", **over)

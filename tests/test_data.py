@@ -13,7 +13,7 @@ from fedlt.data.datasets import load_dataset, _CACHE
 from fedlt.data.federated import client_test_index
 from fedlt.data.longtail import exp_profile, longtail_indices, step_profile
 from fedlt.data.partition import count_matrix, partition
-from fedlt.data.transforms import random_crop_flip
+from fedlt.data.transforms import apply_crop_flip, crop_flip_draws
 from fedlt.errors import ConfigError, DataError
 
 
@@ -171,7 +171,7 @@ def test_cifar_loader_reads_python_batches_and_rejects_corrupt(tmp_path):
 
 def test_random_crop_flip_is_a_shifted_window_of_the_padded_batch():
     x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8)
-    out = random_crop_flip(x, torch.Generator().manual_seed(0), padding=2)
+    out = apply_crop_flip(x, crop_flip_draws(2, torch.Generator().manual_seed(0), padding=2), padding=2)
     assert out.shape == x.shape
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
     for b in range(2):

@@ -38,9 +38,8 @@ def _params(method: str) -> dict:
 
 def _run(method: str, device: str, **over):
     rounds = SLOW.get(method, (2,))[0]
-    run = {"rounds": rounds, "eval_every": rounds, **over}
-    cfg = small_config(method=method, params=over.pop("params", None) or _params(method), device=device,
-                       **{k: v for k, v in run.items() if k != "params"})
+    params = over.pop("params", None) or _params(method)
+    cfg = small_config(method=method, params=params, device=device, **{"rounds": rounds, "eval_every": rounds, **over})
     key = (device, cfg.clients, cfg.data_placement)
     if key not in _FEDS:
         _FEDS[key] = federation_for(cfg)

@@ -103,6 +103,15 @@ def stats_of(names: list[str], means, steps: int) -> dict[str, Any]:
     return {**out, "steps": steps}
 
 
+def by_setting(groups: dict[str, Train], spec) -> dict[tuple[float, float, float], list[str]]:
+    """The trained names grouped by their (lr, momentum, weight decay): groups with equal settings share one
+    update, so one optimiser group -- one foreach kernel per operation instead of one per group."""
+    out: dict[tuple, list[str]] = {}
+    for n, g in groups.items():
+        out.setdefault(g.settings(spec), []).append(n)
+    return out
+
+
 def groups_of(steps: LocalSteps, param_names, extra_names) -> dict[str, Train]:
     """The trained names (model parameters, then extras) and the group each belongs to."""
     out: dict[str, Train] = {}
@@ -170,11 +179,8 @@ def run_steps(method, steps: LocalSteps, data, gen: torch.Generator) -> Trained:
     groups = groups_of(steps, params, steps.extra)
     extra = {k: (v.detach().clone().requires_grad_(True) if k in groups else v) for k, v in steps.extra.items()}
     live = {**params, **extra}
-    by_setting: dict[tuple, list[str]] = {}  # groups with equal settings share one optimiser group: the same
-    for n, g in groups.items():              # update, and one foreach kernel per operation instead of several
-        by_setting.setdefault(g.settings(spec), []).append(n)
     param_groups = [{"params": [live[n] for n in names], "lr": lr, "momentum": mom, "weight_decay": wd}
-                    for (lr, mom, wd), names in by_setting.items()]
+                    for (lr, mom, wd), names in by_setting(groups, spec).items()]
     opt = make_optimizer(param_groups, spec)
     for name, buf in steps.momentum.items():
         opt.state[live[name]]["momentum_buffer"] = buf.detach().clone()

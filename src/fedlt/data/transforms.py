@@ -25,7 +25,8 @@ def to_device(t: torch.Tensor, dev: torch.device | str) -> torch.Tensor:
 
 
 def crop_flip_draws(b: int, gen: torch.Generator, padding: int = 4) -> tuple[torch.Tensor, ...]:
-    """The random part of :func:`random_crop_flip` for ``b`` samples, drawn on the CPU from ``gen``."""
+    """Random crop with zero padding and horizontal flip, the random part: per sample, the offsets and whether
+    to flip, drawn on the CPU from ``gen`` (the same draws whatever the device); :func:`apply_crop_flip` applies."""
     dy = torch.randint(0, 2 * padding + 1, (b,), generator=gen, device="cpu")
     dx = torch.randint(0, 2 * padding + 1, (b,), generator=gen, device="cpu")
     flip = torch.rand(b, generator=gen, device="cpu") < 0.5
@@ -44,12 +45,6 @@ def apply_crop_flip(x: torch.Tensor, draws: tuple[torch.Tensor, ...], padding: i
     bi = torch.arange(b, device=dev).view(b, 1, 1)
     out = padded.permute(0, 2, 3, 1)[bi, rows.view(b, h, 1), cols.view(b, 1, w)]  # [b, h, w, c]
     return out.permute(0, 3, 1, 2).contiguous()
-
-
-def random_crop_flip(x: torch.Tensor, gen: torch.Generator, padding: int = 4) -> torch.Tensor:
-    """Random crop with zero padding and horizontal flip, for a whole batch at once, on ``x``'s device. The
-    offsets and flips are drawn on the CPU from ``gen`` (the same draws whatever the device), then moved."""
-    return apply_crop_flip(x, crop_flip_draws(x.shape[0], gen, padding), padding)
 
 
 def draw_augment(kind: str, b: int, gen: torch.Generator, hw: tuple[int, int]) -> tuple[torch.Tensor, ...] | None:

@@ -42,7 +42,7 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from ..core.api import Method
-from ..core.steps import LocalSteps, StepModel, Trained, frozen_net, groups_of, split_loss, stats_of
+from ..core.steps import LocalSteps, StepModel, Trained, by_setting, frozen_net, groups_of, split_loss, stats_of
 from ..core.training import autocast
 from ..data.transforms import to_device
 from .graphs import StepGraphs
@@ -162,12 +162,12 @@ class _Float32Norms:
         self.handles.clear()
 
 
-def _sgd(P, grads, M, by_setting, lrs=None) -> None:
+def _sgd(P, grads, M, settings, lrs=None) -> None:
     """``torch.optim.SGD``'s update (no dampening, no Nesterov) on stacked tensors, in place, one foreach call
     per operation and settings group: ``d = g + wd * p``; ``buf = buf * momentum + d`` (buffers of clients
     without one start at zero, so their first step gives ``buf = d`` exactly, as SGD's); ``p -= lr * buf``.
     ``lrs``: each group's lr as a device tensor (static mode: a graph outlives a round's lr)."""
-    for i, ((lr, mom, wd), names) in enumerate(by_setting.items()):
+    for i, ((lr, mom, wd), names) in enumerate(settings.items()):
         ps, gs = [P[n] for n in names], [grads[n] for n in names]
         if wd != 0:
             torch._foreach_add_(gs, ps, alpha=wd)
@@ -184,7 +184,8 @@ def _sgd(P, grads, M, by_setting, lrs=None) -> None:
 
 def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = None) -> list[Trained]:
     """Train one chunk of clients together. With ``graphs`` (static mode, see ``engine.graphs``) the stacks keep
-    their size and storage: clients without a batch stay in them with their update masked out."""
+    their size and storage: clients without a batch stay in them (their rows are not read again) and only the loss
+    sums are masked to the clients that stepped."""
     _check(jobs)
     spec, net = method.spec, method.net
     ref = jobs[0].steps
@@ -218,24 +219,20 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
     B = stacked(buffer_names)
     F_, f_dims = shared_or_stacked(fixed_model)
     C_, c_dims = shared_or_stacked(const_extra)
-    settings = {n: groups[n].settings(spec) for n in P}
-    by_setting: dict[tuple, list[str]] = {}
-    for n in P:
-        by_setting.setdefault(settings[n], []).append(n)
-    M = {n: torch.zeros_like(P[n]) for n in P if settings[n][1] != 0}
+    settings = by_setting(groups, spec)
+    M = {n: torch.zeros_like(P[n]) for (_, mom, _), names in settings.items() if mom != 0 for n in names}
     had = {n: [n in j.steps.momentum for j in jobs] for n in M}
     for n in M:
         for k, j in enumerate(jobs):
             if had[n][k]:
                 M[n][k] = j.steps.momentum[n].detach()
     if static:  # the chunk's tensors, in storage that the graphs of earlier chunks of this shape read and write
-        lrs = to_device(torch.tensor([lr for lr, _, _ in by_setting], dtype=torch.float32), dev)  # no sync
+        lrs = to_device(torch.tensor([lr for lr, _, _ in settings], dtype=torch.float32), dev)  # no sync
         # unbatched tensors are the jobs' own (the received model, a fixed classifier): keep copies, since later
         # chunks are copied into what is kept
         T = {"P": P, "B": B, "M": M, "F": {n: t if f_dims[n] == 0 else t.clone() for n, t in F_.items()},
              "C": {n: t if c_dims[n] == 0 else t.clone() for n, t in C_.items()}, "S": {"lrs": lrs}}
-        shape = (K, ref.loss, spec.precision, tuple((names, mom, wd) for (_, mom, wd), names in
-                                                    ((key, tuple(v)) for key, v in by_setting.items())),
+        shape = (K, ref.loss, spec.precision, tuple((tuple(ns), mom, wd) for (_, mom, wd), ns in settings.items()),
                  tuple(f_dims.items()), tuple(c_dims.items()),
                  tuple((part, n, tuple(t.shape), t.dtype) for part, ts in T.items() for n, t in ts.items()))
         bound = graphs.bind(shape, T)
@@ -263,7 +260,7 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
         it is read.) Writes only into ``T``'s tensors."""
         grads, (_, vec) = step(T["P"], T["B"], T["F"], T["C"], X, Y)
         with torch.no_grad():
-            _sgd(T["P"], grads, T["M"], by_setting, T["S"]["lrs"])
+            _sgd(T["P"], grads, T["M"], settings, T["S"]["lrs"])
             vec = vec.double() * keep
             if "sums" not in T:
                 T["sums"] = {"sums": torch.zeros_like(vec)}
@@ -355,7 +352,7 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
             else:
                 grads, (_, vec) = step(P, B, F_, C_, X, Y)
                 with torch.no_grad():
-                    _sgd(P, grads, M, by_setting)
+                    _sgd(P, grads, M, settings)
                     vec = vec.double()
                     if odd:
                         vec = vec * mask_of(main, len(A))
@@ -364,7 +361,7 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
                 X, Y = load([of_row[pos] for pos in members])
                 grads, (_, vec) = step(tp, bufs, {**F_, **fp}, {**C_, **cp}, X, Y)
                 with torch.no_grad():
-                    _sgd(tp, grads, mom, by_setting)
+                    _sgd(tp, grads, mom, settings)
                     for store, part in zip(per_client[:3], (tp, bufs, mom)):
                         for n, t in part.items():
                             store[n][idx] = t
@@ -373,8 +370,8 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
                 steps[k] += 1
     if static:
         if part_names:
-            bound.memo["parts"] = list(part_names)
-        part_names = bound.memo.get("parts", [])
+            bound.parts = list(part_names)
+        part_names = bound.parts
     names = sorted(final_sums)
     means = {}
     if names:

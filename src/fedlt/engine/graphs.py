@@ -4,8 +4,9 @@ A batched step of a small model is bound by launches, not arithmetic: vmap's rul
 update launch about a hundred small kernels, each one issued by Python. A CUDA graph records them once and
 replays them with one call. What a graph replays must always read and write the same memory, so the executor's
 *static* mode (``engine.batched``) keeps a chunk's stacks at a fixed size and address for the whole chunk: a
-client that has run out of batches stays in the stacks with another client's batch standing in, and its update
-is masked out (``torch.where``), instead of leaving the stacks.
+client that has run out of batches stays in the stacks with another client's batch standing in (its result was
+taken out when it finished; nothing of its row is read again), instead of leaving the stacks, and only the loss
+sums are masked.
 
 :class:`StepGraphs` holds, per run, the stacks of the last chunk shapes it saw (adopted from the first chunk of
 that shape, later chunks copied in) and, per step shape, a graph: the first ``warmup`` steps of a shape run
@@ -36,7 +37,7 @@ class Bound:
 
     tensors: dict[str, dict[str, torch.Tensor]]
     entries: dict[tuple, _Entry] = field(default_factory=dict)
-    memo: dict = field(default_factory=dict)  # what the capture left in Python (e.g. the loss's part names)
+    parts: list[str] = field(default_factory=list)  # the loss's part names (set in Python, which a replay skips)
 
 
 class StepGraphs:
