@@ -15,7 +15,7 @@ import torch
 
 from conftest import method_test_params, small_config
 from fedlt.core.api import RunSpec
-from fedlt.devcheck import ImplicitDevice
+from fedlt.devcheck import ImplicitDevice, ReplayedGraphs
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.engine import batched as batched_mod
 from fedlt.engine.simulation import client_parallel_chunk
@@ -131,23 +131,60 @@ def test_batched_bf16_with_batchnorm_trains_as_sequential_bf16():
     assert losses[1] == pytest.approx(losses[0], rel=0.02)
 
 
-STATIC = [("fedavg", {}), ("fedloge", {"params": {"persist_phi_momentum": "true"}}), ("fedrod", {}),
-          ("fedavg", {"model": "smallcnn-bn"}), ("fedprox", {})]
+REPLAYED = CASES + [("fedloge", {"lr_schedule": "cosine"})]  # a graph outlives a round's lr
 
 
-@pytest.mark.parametrize("method,over", STATIC, ids=[f"{m}-{o.get('model', '')}" for m, o in STATIC])
-def test_static_mode_of_cuda_graphs_trains_as_one_after_another(method, over):
-    """--cuda-graphs: the stacks keep their size for a whole chunk (clients out of batches stay in them, only the
-    loss sums are masked; the lr is a tensor). Run here without capture -- the arithmetic a graph replays -- with
-    momentum carried in, BatchNorm buffers, a trained extra tensor (FedRoD's personal head) and an anchor
-    (FedProx)."""
+@pytest.mark.parametrize("method,over", REPLAYED, ids=[f"{m}-{'-'.join(o) or 'default'}" for m, o in REPLAYED])
+def test_cuda_graphs_replayed_train_as_one_after_another(method, over):
+    """--cuda-graphs, with the graphs emulated (``devcheck.ReplayedGraphs``): the static mode's stacks keep
+    their size for a whole chunk (clients out of batches stay in them, only the loss sums are masked; the lr is
+    a tensor), and every step after the warm-up ones is a replay of the step *as captured*, on the graph's
+    own input tensors, which the executor copies each step's batch and mask into. Every method that batches,
+    BatchNorm buffers, momentum carried in, trained extra tensors (FedRoD's personal head), anchors (FedProx):
+    a cosine lr schedule: the run of one client after another, and nothing in a step that a capture refuses."""
     seq = _sim(method, "off", **over)
     f_seq = seq.run()
     bat = _sim(method, "3", **over)
-    bat.graphs = batched_mod.StepGraphs(capture=False)
+    bat.graphs = ReplayedGraphs()
     f_bat = bat.run()
-    assert len(bat.graphs.bound) >= 1  # it ran in static mode: chunks of 3 and of 2 (8 clients, 4 per round)
+    g = bat.graphs
+    assert len(g.bound) >= 1 and g.captured >= 2 and g.replays > 0  # chunks of 3 and 1 (4 clients a round)
+    assert g.failed is None and not g.unsafe.found, sorted(set(g.unsafe.found))
     _assert_same_run(seq, f_seq, bat, f_bat)
+
+
+def test_replayed_graphs_catch_a_step_that_reads_its_batch_by_closure_and_a_sync():
+    """The emulation can fail: a step that reads its batch through its closure instead of its inputs replays
+    the capture step's batch (as a real graph would), and a ``.item()`` or a boolean mask inside a step is
+    flagged."""
+    xs = [torch.full((2,), float(i)) for i in range(6)]
+
+    def total(through_inputs: bool) -> torch.Tensor:
+        g = ReplayedGraphs(warmup=1)
+        b = g.bind(("k",), {"P": {"w": torch.zeros(2)}})
+        w = b.tensors["P"]["w"]
+        for x in xs:
+            if through_inputs:
+                g.run(b, ("s",), lambda x_: w.add_(x_), x)
+            else:
+                g.run(b, ("s",), lambda _, x=x: w.add_(x), torch.zeros(1))
+        assert g.captured == 1 and g.replays == 5 and not g.unsafe.found
+        return w
+
+    assert torch.equal(total(True), torch.full((2,), 15.0))
+    assert torch.equal(total(False), torch.full((2,), 0.0 + 1 + 1 + 1 + 1 + 1))  # warm-up x0, then the captured x1 every step
+    g = ReplayedGraphs(warmup=0)
+    b = g.bind(("k",), {"P": {"w": torch.zeros(3)}})
+
+    def syncing(x):
+        w = b.tensors["P"]["w"]
+        w.add_(x[x > 0].sum())
+        if float(x.sum()) > 0:
+            w.add_(1)
+
+    g.run(b, ("s",), syncing, torch.tensor([1.0, -1.0, 2.0]))
+    found = " ".join(g.unsafe.found)
+    assert "aten.index (boolean-mask" in found and "aten._local_scalar_dense" in found, found
 
 
 def test_static_mode_keeps_copies_of_what_clients_share():

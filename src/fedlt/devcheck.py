@@ -14,6 +14,24 @@ Two PyTorch function modes, used by the tests on every registered method (and us
   the device to finish its queued work. The tests check that their number per client does not grow with the
   number of local steps.
 
+For ``--cuda-graphs`` (``fedlt.engine.graphs``), two more:
+
+- :class:`CaptureUnsafe`, a dispatch mode (it sees every ATen operation, inside vmap and the backward too),
+  records the operations a CUDA graph capture refuses or cannot replay faithfully: reads of a value into Python
+  (``_local_scalar_dense``: ``.item()``, ``float(t)``, ``if t:``), operations whose output size depends on
+  the data (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing), ``equal``, and tensors made
+  from host data (``torch.tensor(...)``: a copy from pageable host memory).
+- :class:`ReplayedGraphs` runs the static mode as graphs would, without a GPU: :class:`StepGraphs`' own
+  control flow (warm-up steps, one capture per step shape, the step's inputs copied into the graph's input
+  tensors, replays), where "capturing" keeps the step function *of the capture step* with the graph's input
+  tensors, and a replay runs that function on them (under :class:`CaptureUnsafe`). A step that reaches a
+  per-step tensor other than through its inputs (a closure over this step's batch, a tensor re-made each
+  chunk) then reads the capture step's one, as a replayed graph would, and the run departs from sequential
+  training (as it does with the capture step's Python numbers, such as an lr kept in its closure). It cannot
+  show what a graph bakes in that Python recomputes on each call here: a number read from state that changes
+  after the capture (an attribute, a CPU scalar tensor's value), or a tensor made inside the step and kept
+  after it.
+
 What they cannot catch: a tensor moved to the CPU on purpose (``.cpu()``, ``device="cpu"``, numpy
 round-trips) and then mixed with device tensors; code outside the watched files; CUDA-only behaviour
 (kernels without a deterministic implementation, generator/device mismatches inside PyTorch, memory).
@@ -26,6 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .engine.graphs import StepGraphs
 
 FEDLT_ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -37,17 +58,18 @@ _READS = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch
           torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__index__}
 
 
-def _caller(roots: tuple[str, ...]) -> str | None:
+def _caller(roots: tuple[str, ...], innermost: bool = False) -> str | None:
     """``file:line`` (relative to the root's parent) of the Python frame that called the torch function, if
-    it lies under one of ``roots``."""
+    it lies under one of ``roots``; ``innermost``: of the innermost frame under them, wherever the call came from
+    (torch's own code, say, or the backward)."""
+    def root_of(f):
+        return next((r for r in roots if f.f_code.co_filename.startswith(r)), None)
+
     f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename == __file__:  # another of these modes, stacked
-        f = f.f_back
-    if f is None:
-        return None
-    name = f.f_code.co_filename
-    root = next((r for r in roots if name.startswith(r)), None)
-    return None if root is None else f"{os.path.relpath(name, os.path.dirname(root))}:{f.f_lineno}"
+    while f is not None and (f.f_code.co_filename == __file__ or (innermost and root_of(f) is None)):
+        f = f.f_back  # another of these modes, stacked (or, innermost, any frame outside the roots)
+    root = None if f is None else root_of(f)
+    return None if root is None else f"{os.path.relpath(f.f_code.co_filename, os.path.dirname(root))}:{f.f_lineno}"
 
 
 class _Watch(TorchFunctionMode):
@@ -93,3 +115,57 @@ class HostSyncs(_Watch):
                 self.count.total += 1
                 self.count.sites[where] = self.count.sites.get(where, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+_UNCAPTURABLE = {
+    "_local_scalar_dense": "reads a value into Python", "equal": "returns a Python bool",
+    "is_nonzero": "reads a value into Python", "nonzero": "output size depends on the data",
+    "masked_select": "output size depends on the data", "unique_dim": "output size depends on the data",
+    "_unique2": "output size depends on the data", "unique_consecutive": "output size depends on the data",
+    "lift_fresh": "a tensor from host data: a copy from host memory",
+}
+_MASKED = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+class CaptureUnsafe(TorchDispatchMode):
+    """Records ``file:line: aten.NAME (why)`` for each operation a CUDA graph capture cannot hold."""
+
+    def __init__(self, roots=None):
+        super().__init__()
+        self.roots = tuple(os.path.abspath(r) for r in (roots or (FEDLT_ROOT,)))
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0] if str(func).startswith("aten.") else None
+        why = _UNCAPTURABLE.get(name)
+        if why is None and name in _MASKED and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+            why = "boolean-mask indexing: output size depends on the data"
+        if why is not None:
+            self.found.append(f"{_caller(self.roots, innermost=True) or '?'}: aten.{name} ({why})")
+        return func(*args, **(kwargs or {}))
+
+
+class _Replay:
+    def __init__(self, fn, inputs, guard: CaptureUnsafe):
+        self.fn, self.inputs, self.guard = fn, inputs, guard
+
+    def replay(self) -> None:
+        with self.guard:
+            self.fn(*self.inputs)
+
+
+class ReplayedGraphs(StepGraphs):
+    """:class:`StepGraphs` with graphs emulated on any device (see the module doc); ``unsafe.found`` lists the
+    operations a real capture would have refused."""
+
+    def __init__(self, warmup: int = 2, keep: int = 2, roots=None):
+        super().__init__(capture=True, warmup=warmup, keep=keep)
+        self.unsafe = CaptureUnsafe(roots)
+
+    def _warm(self, fn, inputs) -> None:
+        with self.unsafe:
+            fn(*inputs)
+
+    def _record(self, fn, inputs):
+        return _Replay(fn, inputs, self.unsafe)

@@ -79,19 +79,13 @@ class StepGraphs:
             return
         e = b.entries.setdefault(key, _Entry())
         if e.graph is None and e.warm < self.warmup:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn(*inputs)
-            torch.cuda.current_stream().wait_stream(side)
+            self._warm(fn, inputs)
             e.warm += 1
             return
         if e.graph is None:
             e.inputs = [t.clone() for t in inputs]
-            g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g, pool=self.pool):
-                    fn(*e.inputs)
+                e.graph = self._record(fn, e.inputs)
             except Exception as err:  # nothing ran while capturing: the step runs eagerly instead
                 if isinstance(err, torch.OutOfMemoryError):
                     raise  # the executor halves the chunk
@@ -99,10 +93,24 @@ class StepGraphs:
                 warnings.warn(f"CUDA graph capture failed, batched steps run without graphs: {self.failed}")
                 fn(*inputs)
                 return
-            self.pool = g.pool()
-            e.graph = g
             self.captured += 1
         for dst, src in zip(e.inputs, inputs):
             dst.copy_(src)
         e.graph.replay()
         self.replays += 1
+
+    def _warm(self, fn: Callable[..., None], inputs) -> None:
+        """A warm-up step: eagerly, on a side stream (as capture wants its first allocations made)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, fn: Callable[..., None], inputs: list[torch.Tensor]):
+        """``fn(*inputs)`` captured (not run) as a graph whose ``replay()`` runs it; memory from one shared pool."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            fn(*inputs)
+        self.pool = g.pool()
+        return g
