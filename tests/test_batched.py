@@ -140,8 +140,8 @@ def test_cuda_graphs_replayed_train_as_one_after_another(method, over):
     their size for a whole chunk (clients out of batches stay in them, only the loss sums are masked; the lr is
     a tensor), and every step after the warm-up ones is a replay of the step *as captured*, on the graph's
     own input tensors, which the executor copies each step's batch and mask into. Every method that batches,
-    BatchNorm buffers, momentum carried in, trained extra tensors (FedRoD's personal head), anchors (FedProx):
-    a cosine lr schedule: the run of one client after another, and nothing in a step that a capture refuses."""
+    BatchNorm buffers, momentum carried in, trained extra tensors (FedRoD's personal head), anchors (FedProx), a
+    cosine lr schedule: the run of one client after another, and nothing in a step that a capture refuses."""
     seq = _sim(method, "off", **over)
     f_seq = seq.run()
     bat = _sim(method, "3", **over)
@@ -172,7 +172,7 @@ def test_replayed_graphs_catch_a_step_that_reads_its_batch_by_closure_and_a_sync
         return w
 
     assert torch.equal(total(True), torch.full((2,), 15.0))
-    assert torch.equal(total(False), torch.full((2,), 0.0 + 1 + 1 + 1 + 1 + 1))  # warm-up x0, then the captured x1 every step
+    assert torch.equal(total(False), torch.full((2,), 0.0 + 1 + 1 + 1 + 1 + 1))  # warm-up x0, then the captured x1
     g = ReplayedGraphs(warmup=0)
     b = g.bind(("k",), {"P": {"w": torch.zeros(3)}})
 

@@ -72,10 +72,15 @@ def _caller(roots: tuple[str, ...], innermost: bool = False) -> str | None:
     return None if root is None else f"{os.path.relpath(f.f_code.co_filename, os.path.dirname(root))}:{f.f_lineno}"
 
 
+def _roots(roots) -> tuple[str, ...]:
+    """The watched source folders, absolute (default: fedlt's own)."""
+    return tuple(os.path.abspath(r) for r in (roots or (FEDLT_ROOT,)))
+
+
 class _Watch(TorchFunctionMode):
     def __init__(self, roots: tuple[str, ...] | list[str] | None = None):
         super().__init__()
-        self.roots = tuple(os.path.abspath(r) for r in (roots or (FEDLT_ROOT,)))
+        self.roots = _roots(roots)
 
 
 class ImplicitDevice(_Watch):
@@ -132,7 +137,7 @@ class CaptureUnsafe(TorchDispatchMode):
 
     def __init__(self, roots=None):
         super().__init__()
-        self.roots = tuple(os.path.abspath(r) for r in (roots or (FEDLT_ROOT,)))
+        self.roots = _roots(roots)
         self.found: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -12,8 +12,9 @@ sums are masked.
 that shape, later chunks copied in) and, per step shape, a graph: the first ``warmup`` steps of a shape run
 eagerly on a side stream (they are real steps), the next one is captured and every later one replayed, its
 inputs copied into the graph's own input tensors first. Without ``capture`` (a CPU) every step runs eagerly: the
-same static-mode arithmetic, which is how the CPU tests check it. If a capture fails, the run goes on eagerly
-and says so once.
+same static-mode arithmetic. The CPU tests emulate the capture and its replays instead
+(``fedlt.devcheck.ReplayedGraphs``, through the ``_warm``/``_record`` hooks). If a capture fails, the run goes
+on eagerly and says so once.
 """
 from __future__ import annotations
 

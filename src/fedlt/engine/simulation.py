@@ -107,7 +107,7 @@ class Simulation:
         self.history: list[dict] = []
         self._fitted_chunk: int | None = None  # batched clients: the chunk size that fitted on the GPU
         self.graphs = StepGraphs(capture=torch.device(method.spec.device).type == "cuda") if cfg.cuda_graphs \
-            else None  # on a CPU: the static mode's arithmetic without capture (what the tests check)
+            else None  # on a CPU: the static mode's arithmetic without capture
         self.after_round: list[Callable[["Simulation"], None]] = []
         # called with each round's record after training and before its evaluation (a divergence check)
         self.after_train: list[Callable[["Simulation", dict], None]] = []
