@@ -1,4 +1,4 @@
-"""Shared set-up for the benchmark scripts: build a simulation of the fmnist-lt protocol (BENCHMARKS.md A)."""
+"""Shared set-up for the benchmark scripts: build a simulation of the fmnist-lt protocol (docs/protocol.md A)."""
 from __future__ import annotations
 
 import statistics

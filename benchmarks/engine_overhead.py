@@ -1,4 +1,4 @@
-"""Engine overhead (BENCHMARKS.md B): one FedAvg round of the simulation engine vs a plain PyTorch loop that
+"""Engine overhead (docs/protocol.md B): one FedAvg round of the simulation engine vs a plain PyTorch loop that
 trains the same model on the same clients' samples with the same batch size and epochs, in one process.
 Goal: round time / plain time <= 1.10.
 

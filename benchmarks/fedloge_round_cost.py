@@ -1,4 +1,4 @@
-"""FedLoGe cost (BENCHMARKS.md B): one FedLoGe training round vs one FedAvg round in the same setting (fmnist-lt:
+"""FedLoGe cost (docs/protocol.md B): one FedLoGe training round vs one FedAvg round in the same setting (fmnist-lt:
 same federation, same clients, same batches), run alternately in one process. Goal: ratio <= 1.10 (paper, Table 5:
 3m19s vs 3m11s per round). The SSE-C is built (or read from the disk cache) before any timing.
 

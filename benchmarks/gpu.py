@@ -1,4 +1,4 @@
-"""Speed on one GPU (BENCHMARKS.md C; issue 11): ratios measured in one process, A and B interleaved.
+"""Speed on one GPU (docs/protocol.md C; issue 11): ratios measured in one process, A and B interleaved.
 
 1. engine round vs a plain GPU loop on the same clients' samples (FedAvg, fmnist-lt)   goal <= 1.10
 2. FedLoGe round vs FedAvg round (fmnist-lt, same clients and batches)                goal <= 1.15

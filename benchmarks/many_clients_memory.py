@@ -1,4 +1,4 @@
-"""Memory with many clients (BENCHMARKS.md B): peak RSS of a FedLoGe run with 200 clients vs 20 clients, same
+"""Memory with many clients (docs/protocol.md B): peak RSS of a FedLoGe run with 200 clients vs 20 clients, same
 data (the fmnist-lt long-tailed train set, split by Dirichlet 0.5), the same 10 clients per round, a few rounds,
 a per-round evaluation of every client's personal models and both post-training phases. Each size runs in its own
 subprocess (peak RSS is per process). Goal: ratio <= 1.3 -- a client costs its state (a head), never a model copy.

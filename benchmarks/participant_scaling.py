@@ -1,4 +1,4 @@
-"""Scale in participants (BENCHMARKS.md B): round time with 10 vs 20 participating clients, same data per
+"""Scale in participants (docs/protocol.md B): round time with 10 vs 20 participating clients, same data per
 client (IID partition, so every client holds the same number of samples). Goal: about 2x.
 
     python benchmarks/participant_scaling.py [--reps 3]

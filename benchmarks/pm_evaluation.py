@@ -1,4 +1,4 @@
-"""PM evaluation cost (BENCHMARKS.md B): evaluating the K = 20 clients' personalized models (each on its own
+"""PM evaluation cost (docs/protocol.md B): evaluating the K = 20 clients' personalized models (each on its own
 test set) together with the global model, vs evaluating the global model alone on the balanced test set.
 Goal: <= 2x, not Kx (the backbone's test features are computed once and reused by every personal head).
 

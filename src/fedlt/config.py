@@ -1,4 +1,4 @@
-"""Run configuration: defaults (the fmnist-lt protocol of BENCHMARKS.md), presets, TOML files and
+"""Run configuration: defaults (the fmnist-lt protocol of docs/protocol.md), presets, TOML files and
 command-line overrides, validated before anything is loaded or written."""
 from __future__ import annotations
 

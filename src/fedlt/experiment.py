@@ -86,7 +86,7 @@ def run_dir_for(cfg: RunConfig) -> Path:
 
 
 def mean_last(history: list[dict], n: int = 3) -> dict[str, float | None]:
-    """Mean of the last n evaluations (BENCHMARKS.md: report the mean of the last 3 evaluated rounds), for
+    """Mean of the last n evaluations (docs/protocol.md: report the mean of the last 3 evaluated rounds), for
     every global and personal inference mode."""
     evals = [h["eval"] for h in history if "eval" in h][-n:]
     out: dict[str, float | None] = {}

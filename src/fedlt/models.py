@@ -91,7 +91,7 @@ class MLP(nn.Module):
 
 
 class SmallCNN(nn.Module):
-    """The small CNN of BENCHMARKS.md.
+    """The small CNN of the benchmark protocol (docs/protocol.md).
 
     ``conv3x3(in->16, pad 1)-ReLU-maxpool2, conv3x3(16->32, pad 1)-ReLU-maxpool2, flatten, Linear(->128)-ReLU``;
     the 128-unit hidden layer is the feature. The flatten size is computed from the input shape
@@ -374,7 +374,7 @@ def _mlp(in_shape):
 
 @MODELS.register("smallcnn")
 def _smallcnn(in_shape):
-    """Small CNN of BENCHMARKS.md: conv3x3 16, pool, conv3x3 32, pool, 128-unit feature layer."""
+    """Small CNN of docs/protocol.md: conv3x3 16, pool, conv3x3 32, pool, 128-unit feature layer."""
     return SmallCNN(in_shape)
 
 

@@ -35,6 +35,6 @@ def main(args) -> int:
             print(f"  {name:<14} {_first_line(obj)}")
     print("presets:")
     for name, over in PRESETS.items():
-        print(f"  {name:<20} {over or '(the defaults: fmnist-lt of BENCHMARKS.md)'}")
+        print(f"  {name:<20} {over or '(the defaults: fmnist-lt of docs/protocol.md)'}")
     METHODS.warn_problems()  # the plugins left out, and why
     return 0

@@ -10,7 +10,7 @@ ORDER = 10
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """The run settings, shared by every command that runs experiments. Defaults (None here) come from
-    fedlt.config.RunConfig: the fmnist-lt protocol of BENCHMARKS.md."""
+    fedlt.config.RunConfig: the fmnist-lt protocol of docs/protocol.md."""
     p.add_argument("--config", help="TOML file with run settings ([params] table for method parameters)")
     p.add_argument("--preset", help="named settings: fmnist-lt, fmnist-lt-official, smoke")
     g = p.add_argument_group("data")

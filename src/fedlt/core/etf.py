@@ -16,8 +16,8 @@ SSE-C (FedLoGe, ICLR 2024, Sec. 3.2, Eq. 2-5)
    ``L = sum_c (||w_c|| - gamma)^2  -  (1/C) sum_c arccos(max_{c' != c} cos(w_c, w_c'))``
    (equal-norm loss Eq. 3 + max-min-angle loss Eq. 4), full batch, Adam, lr 1e-4, 10,000 steps.
 
-Paper vs. official code (ZackZikaiXiao/FedLoGe, ``util/etf_methods.py``; see
-shared/reference/fedloge-official-code.md sections 2 and 10). The *loss form is the same* in both: the norm
+Paper vs. official code (ZackZikaiXiao/FedLoGe, ``util/etf_methods.py``, read at
+commit f4cac52). The *loss form is the same* in both: the norm
 loss is a plain sum of squared deviations, the angle loss is the mean over classes of each class's minimum
 angle (not a single global max-min), and there is no weight between the two terms and no temperature.
 The official code's "tau" is the *norm target*, i.e. the paper's gamma -- not a softmax temperature -- so

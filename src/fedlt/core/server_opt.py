@@ -11,8 +11,7 @@ and a server optimiser turns it into the new global model ``w <- w - lr * direct
 global step ``eta_g``.
 
 Only trainable parameters go through the optimiser. Buffers (BatchNorm running statistics, the integer
-``num_batches_tracked``) have no gradient meaning and take the plain sample-weighted average, as every
-reference spec advises (shared/reference/baseline-methods.md, C2.f3 and C3.f).
+``num_batches_tracked``) have no gradient meaning and take the plain sample-weighted average.
 
 The optimiser's state (momentum, Adam moments) lives in the server state dict under one key, so it is saved
 with checkpoints and never sent to a client.

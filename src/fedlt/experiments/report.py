@@ -6,7 +6,7 @@ of each column in bold (ties, at the printed precision, all bold) -- like Tables
 A second table per setting gives many / medium / few / GM / PM, like its Table 2.
 
 Which number a run contributes (``--metric``):
-- ``last3`` (default, BENCHMARKS.md): the mean of the last 3 evaluated rounds;
+- ``last3`` (default, docs/protocol.md): the mean of the last 3 evaluated rounds;
 - ``final``: the final evaluation, after any post-training phase (FedLoGe's GA-FR / LA-FR, fine-tuning).
 GM is a method's first global inference mode, PM its first personal mode (the order its hooks return them;
 methods without personal models are evaluated for PM with the global model on the clients' test sets).

@@ -23,7 +23,7 @@ client holds ("activated"), C_neg = the others ("absent"):
 4. Optimiser: Adam, lr 0.005 (paper Sec. 7.1; the protocol's SGD is ``optimizer="sgd"``).
 Server: sample-weighted FedAvg. Inference: the global model; no personalized model. No extra communication.
 
-Paper vs. official code (sxontheway/BalanceFL; shared/reference/baseline-methods.md A3):
+Paper vs. official code (official repository sxontheway/BalanceFL, read at commit d6dd21e):
 - Class sets. Paper: C_pos / C_neg are the client's classes (``class_sets="client"``, default). Code: the
   classes present in each mini-batch (``class_sets="batch"``), so a held class absent from a batch is
   distilled.

@@ -8,7 +8,7 @@ Client: E local epochs of SGD on CE(z + log pi_k, y), where z are the model's lo
 Server: FedAvg (sample-weighted).
 Inference: the raw logits z (the prior is NOT added at test time).
 
-Absent classes (a choice the papers leave open; shared/reference/baseline-methods.md A10): a class with no
+Absent classes (a choice the papers leave open): a class with no
 local sample gets the count ``absent_count``. 0 (default) keeps the formula literal, pi_c = 0: log pi_c is
 log(1e-12) (``core.losses.log_prior``), so the class's logit is effectively masked out of the local softmax
 (as PFLlib's FedRoD does). 1 is the FedETF code's clamp (the class stays in the softmax, strongly penalised).

@@ -20,7 +20,7 @@ Inference: the global model; no personalized model.
 
 Communication beyond FedAvg: one float up per client per round. Server state: K floats.
 
-Paper/official code vs. here (shared/reference/baseline-methods.md A6):
+Paper ("An Agnostic Approach to Federated Learning with Class Imbalance", ICLR 2022) / official code vs. here:
 - Participation. The official code runs with every client active and, every ``n_p_steps`` = 5 primal rounds,
   evaluates every client's loss for a dual step. With partial participation the engine only reaches the
   round's clients, so each client's loss is measured when it is sampled (on that round's global model), kept

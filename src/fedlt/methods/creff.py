@@ -27,7 +27,7 @@ FedAvg head on the same features. No personalized model.
 
 Communication beyond FedAvg: up, |C_k| x (C d + C) floats plus |C_k| class ids; down, C d + C floats (H).
 
-Paper/official code (shangxinyi/CReFF-FL; shared/reference/baseline-methods.md A2) vs. here:
+Paper/official code (official repository shangxinyi/CReFF-FL) vs. here:
 - Differentiable Siamese Augmentation (DSA) on the real batches is not implemented; the real batches get the
   dataset's own training augmentation (none for Fashion-MNIST, crop+flip for CIFAR).
 - Local training uses the run's optimiser (the protocol's SGD lr 0.05, momentum 0.9, 2 epochs); the

@@ -15,7 +15,7 @@ Defaults: beta1 = 0.9, beta2 = 0.99 (the paper, all tasks), tau = 1e-3, server_l
 server_lr and tau per task on a grid; 1e-2 / 1e-3 is its usual pick for image tasks). Other codes differ:
 FL-bench uses server_lr 0.1, beta2 0.999; the FedExP code uses server_lr 0.1 with a bias-corrected variant
 and tau inside the square root. The client learning rate and server_lr interact strongly
-(shared/reference/baseline-methods.md C3.f).
+("Adaptive Federated Optimization", Reddi et al., ICLR 2021).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Inference: the global model; no personal model (PM is the global model on each c
 
 Defaults: beta = 0.9, server_lr = 1 (the common setting; the paper sweeps beta and notes the effective
 learning rate server_lr / (1 - beta)). Other codes: the FedNTD repository uses beta = 0.7 (with a
-flatten/write-back bug for models with BN, shared/reference/baseline-methods.md C2.f1), CReFF 0.97, FL-bench
+flatten/write-back bug for models with BN), CReFF 0.97, FL-bench
 0.9 with Nesterov momentum (``nesterov=true`` here). RedGrape's Table 9 reports FedAvgM as a generic
 baseline without its hyper-parameters.
 

@@ -20,7 +20,8 @@ FedDr+ FT (App. D.1, a post-training phase ``finetune``): every client fine-tune
 own data with L_Dr+ (``ft_beta``; App. D.2 also tries L_DR, i.e. ``ft_beta=1``) for ``ft_epochs`` epochs and
 keeps it as its personalized model (it never leaves the client).
 
-Paper vs. code (etri-edgeai/nn-dist-train ``gfl/algorithms/feddr``; see shared/reference/baseline-methods.md A4):
+Paper vs. code (etri-edgeai/nn-dist-train ``gfl/algorithms/feddr``, the FedDr+ group's code base;
+no standalone official FedDr+ repository exists):
 - The code builds U from the QR of the random initial head; here it is the QR of a seeded Gaussian matrix (the
   paper's "randomly initialized orthogonal matrix"). Either way the ETF is a function of the seed only, so
   every process builds the same head and it is never sent: messages carry the backbone only (the code ships

@@ -16,7 +16,7 @@ Personalization (a post-training phase ``personalize``, every client once, after
      3 epochs;
   3. the personalized model logits beta M_k h^_k stay on the client.
 
-Paper vs. official code (ZexiLee/ICCV-2023-FedETF; shared/reference/baseline-methods.md A8):
+Paper vs. official code (official repository ZexiLee/ICCV-2023-FedETF):
 - The code projects to d = C (``proj_dim`` = 0 means C); M comes from the QR of a U[0,1) matrix, regenerated at
   random in every model's constructor (its pitfall 1); here from the QR of a seeded Gaussian matrix, identical
   everywhere (the paper: any random orthogonal basis).

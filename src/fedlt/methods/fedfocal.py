@@ -6,7 +6,7 @@ Client: E local epochs of SGD on mean_i -(1 - p_{y_i})^gamma log p_{y_i}, gamma 
   more. gamma = 0 is plain cross-entropy.
 Server: FedAvg (sample-weighted). Inference: the global model.
 
-Paper vs. public code (shared/reference/baseline-methods.md A7): this is "Fed-Focal (gamma = 2, no alpha, no
+Paper vs. public code (no official code exists): this is "Fed-Focal (gamma = 2, no alpha, no
 sampling)", as the public ports (RedGrape's repo, the Ratio-Loss repo) implement it. The focal loss's class
 weights alpha are 1, and the paper's loss-aware client-sampling scheme is not implemented (the engine draws the
 client schedule up front, independent of the method, so every method of a comparison trains the same clients).

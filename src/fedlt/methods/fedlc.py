@@ -14,10 +14,10 @@ first round and NaN in the second, at tau 1 and at tau 0.1. FL-bench reports the
 cross-entropy on z' (true class included), as PFLlib does; that is the default here, and the paper's form
 stays available for anyone who wants to check.
 
-No official code exists (shared/reference/baseline-methods.md A9). tau = 1.0 as both re-implementations (the
-paper's tuned value could not be checked). A class the client lacks has count ``absent_count`` = 1e-8 (FL-bench),
-i.e. an offset of tau * 100 that effectively masks it; PFLlib's use of global counts summed over all clients is
-not reproduced (it would need the counts to leave the clients).
+No official code exists; the re-implementations read are KarhouTam/FL-bench and TsingZ0/PFLlib. tau = 1.0 as
+both (the paper's tuned value could not be checked). A class the client lacks has count ``absent_count`` = 1e-8
+(FL-bench), i.e. an offset of tau * 100 that effectively masks it; PFLlib's use of global counts summed over all
+clients is not reproduced (it would need the counts to leave the clients).
 """
 from __future__ import annotations
 

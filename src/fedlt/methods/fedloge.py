@@ -36,7 +36,7 @@ seed through the disk cache of ``fedlt.core.etf`` (0 bytes on the wire). With ``
 instead ships it once to each client in its first training message (C*d*4 bytes, plus C*4 with a bias) and the
 client keeps it in its state; either way it is the same tensor, bit for bit, and it is never trained.
 
-Paper vs. official code (shared/reference/fedloge-official-code.md, sections 2, 3, 5, 10)
+Paper vs. official code (ZackZikaiXiao/FedLoGe, read at commit f4cac52)
 ---------------------------------------------------------------------------------------
 =========================  ===========================================  ============================================
                            paper (default)                              official code (option)

@@ -27,7 +27,7 @@ Aggregation: FedAvg. Inference: the global model; no personalized model.
 
 Communication beyond FedAvg: C floats down (alpha). Server compute: C monitor trainings per round.
 
-Paper vs. official code (balanced-fl/Addressing-Class-Imbalance-FL; shared/reference/baseline-methods.md A5):
+Paper vs. official code (official repository balanced-fl/Addressing-Class-Imbalance-FL):
 - The official code averages the client models without weights; the RedGrape port weights them by n_k. The
   default here is the n_k-weighted FedAvg (``uniform_average=true`` gives the official one).
 - The official monitors use SGD momentum 0.9, weight decay 5e-4 and the clients' local epochs; here the run's

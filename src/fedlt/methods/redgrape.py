@@ -24,8 +24,8 @@ Inference: ``argmax W f(x) + b`` (Eq. 16); W^ is discarded. No personalized mode
 Communication beyond FedAvg: up, (|L_k| + 1) x (C d + C) floats (prototypes of the held classes, plus W^);
 down, (|G| + 1) x (C d + C) floats plus |G| class ids. Counted in the logged bytes.
 
-Paper vs. official code (keven980716/Federated_Learning_Experiments, --decoupled_training; see
-shared/reference/baseline-methods.md A1):
+Paper vs. official code (keven980716/Federated_Learning_Experiments, --decoupled_training, read at
+commit 1f0c493):
 - Re-balancing step. Paper Eq. 13: the scaled g_bal is added to W's gradient and goes through the local
   optimiser (``rebalance_step="joint"``, default). Code: the optimiser steps on the main gradient alone,
   then W <- W - lr * lambda * scaled g_bal as an extra plain-SGD step (``rebalance_step="separate"``).

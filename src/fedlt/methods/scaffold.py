@@ -16,7 +16,8 @@ Inference: the global model x; no personal model.
 Communication: c travels down with x and Delta c_i up with y_i, so each message is about twice FedAvg's
 (FedDr+ Table 2 marks SCAFFOLD "(x2)"); the engine counts it from the Message arrays.
 
-Implementation notes and differences between codes (shared/reference/baseline-methods.md C4):
+Implementation notes and differences between codes (Lee-Gihun/FedNTD, KarhouTam/FL-bench,
+TsingZ0/PFLlib):
 - The correction (c - c_i) is added to every local gradient, here as the gradient of the linear term
   <y, c - c_i> in the loss (exactly the same update; the logged loss is the cross-entropy alone).
 - Local momentum: the paper's local steps are plain SGD. This benchmark's local optimiser has momentum rho

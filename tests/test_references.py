@@ -1,0 +1,81 @@
+"""No dangling references: what the code, tests, benchmarks and docs cite must be in this repository.
+
+A reference is dangling when it names a folder outside the repository (``shared/...``: the project's private
+notes), a top-level Markdown file that is not there (``BENCHMARKS.md``), a repository path (``docs/...``,
+``src/...``, ``tests/...``, ``benchmarks/...``) that does not exist, or a relative Markdown link whose target
+does not exist. Papers and official code are cited by title and repository name instead.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCANNED = ("src", "tests", "benchmarks", "docs", ".ci")
+TOP = ("README.md", "pyproject.toml", "Makefile", "mkdocs.yml")
+SUFFIXES = {".py", ".md", ".toml", ".sh", ".yml", ".yaml", ".cfg", ".txt", ""}
+
+OUTSIDE = re.compile(r"(?<![\w./-])(?:\.\./)*shared/[\w./-]*")
+TOP_MD = re.compile(r"(?<![\w./-])([A-Z][A-Z0-9_-]*\.md)\b")
+REPO_PATH = re.compile(r"(?<![\w./-])((?:docs|src|tests|benchmarks|\.ci)/[\w./-]*[\w-])")
+MD_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def files(root: Path) -> list[Path]:
+    out = [root / n for n in TOP if (root / n).is_file()]
+    for d in SCANNED:
+        out += sorted(p for p in (root / d).rglob("*") if p.is_file() and p.suffix in SUFFIXES
+                      and "__pycache__" not in p.parts)
+    return out
+
+
+def dangling(root: Path, skip: tuple[Path, ...] = ()) -> list[str]:
+    """``file:line: reference (why)`` for every dangling reference under ``root`` (less the ``skip`` files)."""
+    found = []
+    for path in files(root):
+        if path in skip:
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        rel = path.relative_to(root)
+        for n, line in enumerate(text.splitlines(), 1):
+            bad = [f"{m.group(0)} (outside the repository)" for m in OUTSIDE.finditer(line)]
+            bad += [f"{m.group(1)} (no such file)" for m in TOP_MD.finditer(line) if not (root / m.group(1)).exists()]
+            bad += [f"{m.group(1)} (no such path)" for m in REPO_PATH.finditer(line)
+                    if not _exists(root, m.group(1))]
+            if path.suffix == ".md":
+                bad += [f"{m.group(1)} (broken link)" for m in MD_LINK.finditer(line)
+                        if "://" not in m.group(1) and not m.group(1).startswith("mailto:")
+                        and not (path.parent / m.group(1)).exists()]
+            found += [f"{rel}:{n}: {b}" for b in bad]
+    return sorted(found)
+
+
+def _exists(root: Path, ref: str) -> bool:
+    ref = ref.rstrip(".")
+    return (root / ref).exists() or any((root / ref).parent.glob((root / ref).name))
+
+
+def test_the_repository_has_no_dangling_reference():
+    assert dangling(ROOT, skip=(Path(__file__).resolve(),)) == []  # this file shows the patterns it finds
+
+
+def test_a_planted_reference_is_found(tmp_path):
+    """The check fails on each kind of dangling reference and passes what exists."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "protocol.md").write_text("see [the tables](tables.md) and [the protocol](protocol.md)\n")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_text('"""Paper vs. code (see shared/reference/baseline-methods.md A3).\n'
+                                            'The protocol: BENCHMARKS.md B, docs/protocol.md, docs/missing.md."""\n')
+    (tmp_path / "README.md").write_text("[ok](docs/protocol.md), see README.md\n")
+    assert dangling(tmp_path) == [
+        "docs/protocol.md:1: tables.md (broken link)",
+        "src/m.py:1: shared/reference/baseline-methods.md (outside the repository)",
+        "src/m.py:2: BENCHMARKS.md (no such file)",
+        "src/m.py:2: docs/missing.md (no such path)",
+    ]
+    (tmp_path / "src" / "m.py").write_text('"""Paper vs. official code (sxontheway/BalanceFL); docs/protocol.md."""\n')
+    (tmp_path / "docs" / "tables.md").write_text("")
+    assert dangling(tmp_path) == []
