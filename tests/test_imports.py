@@ -1,0 +1,169 @@
+"""No import circles inside ``src/fedlt``: the module graph drawn from the source (read with ``ast``, nothing
+imported) has no cycle. Every ``import``/``from ... import`` counts, those inside functions and relative ones
+included: an import moved into a function to dodge a circle at load time is still a circle of the design.
+
+Edges are module to module: ``from pkg import name`` goes to ``pkg.name`` where that is a module of the package,
+else to ``pkg`` itself (its ``__init__``); ``import a.b.c`` goes to ``a.b.c`` (or its nearest ancestor that is a
+module here). Imports of anything outside the package are ignored.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "fedlt"
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """``{module: {imported module of the same package: line of the first such import}}`` for the package at
+    ``root`` (a folder with ``__init__.py``)."""
+    files = {module_name(root, p): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for mod, path in files.items():
+        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]  # what `from .` names
+        deps: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    up = here.split(".")
+                    base = ".".join(up[: len(up) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in files:  # a name inside a module -> the module
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    deps.setdefault(t, node.lineno)
+        graph[mod] = deps
+    return graph
+
+
+def knots(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative): each holds
+    at least one circle. Sorted, in a stable order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    components.append(sorted(comp))
+    return sorted(components)
+
+
+def _cycle_in(graph: dict[str, dict[str, int]], comp: set[str]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first inside the component)."""
+    first = min(comp)
+    prev: dict[str, str] = {}
+    frontier = [first]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w == first:
+                    path = [v]
+                    while path[-1] != first:
+                        path.append(prev[path[-1]])
+                    return [first, *reversed(path[:-1]), first] if v != first else [first, first]
+                if w in comp and w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {first}")  # cannot happen in a strongly connected component
+
+
+def describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def cycle_report(root: Path) -> str:
+    """One line per knot: its shortest circle through its first module, the lines of the imports, and the other
+    modules caught in the same knot. Empty: no circle."""
+    graph = import_graph(root)
+    lines = []
+    for knot in knots(graph):
+        cycle = _cycle_in(graph, set(knot))
+        rest = [m for m in knot if m not in cycle]
+        lines.append(f"import circle: {describe(graph, cycle)}" + (f" (same knot: {', '.join(rest)})" if rest else ""))
+    return "\n".join(lines)
+
+
+def test_fedlt_has_no_import_cycle():
+    graph = import_graph(SRC)
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 200, "the import graph lost its modules or edges"
+    report = cycle_report(SRC)
+    assert not report, (f"{report}\nCut it: move what both sides need into a module that imports neither "
+                        f"(an import inside a function counts too)")
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for name, text in {"__init__.py": "", **files}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_planted_circle_is_found_and_named(tmp_path):
+    """A circle made only of an import inside a function and a relative import is reported, named module by
+    module with the lines of the imports; the same modules without the back edge pass."""
+    files = {"a.py": "import os\nfrom .sub import b\n",
+             "sub/__init__.py": "",
+             "sub/b.py": "from ..c import f\n",
+             "c.py": "def f():\n    from pkg import a\n    return a\n",
+             "d.py": "import pkg.c\n"}
+    report = cycle_report(_package(tmp_path / "bad", files))
+    assert report == "import circle: pkg.a (line 2) -> pkg.sub.b (line 1) -> pkg.c (line 2) -> pkg.a"
+    files["c.py"] = "def f():\n    return 1\n"
+    assert cycle_report(_package(tmp_path / "good", files)) == ""
+
+
+def test_an_init_reexport_closes_a_circle(tmp_path):
+    """``from pkg import X`` where X is re-exported by ``pkg/__init__.py`` depends on the ``__init__``: a module
+    the ``__init__`` imports and that takes a name from it is a circle; each component is reported once."""
+    files = {"__init__.py": "from .core import X\n", "core.py": "from . import util\nX = 1\n",
+             "util.py": "from pkg import X\n",
+             "p.py": "from . import q\n", "q.py": "import pkg.p\n"}
+    lines = cycle_report(_package(tmp_path, files)).splitlines()
+    assert lines == ["import circle: pkg (line 1) -> pkg.core (line 1) -> pkg.util (line 1) -> pkg",
+                     "import circle: pkg.p (line 1) -> pkg.q (line 1) -> pkg.p"]
