@@ -21,6 +21,7 @@ from .data import Federation, build_federation
 from .data.split import default_lt_profile, partition_document
 from .engine import EngineConfig, Simulation
 from .errors import ConfigError, Diverged
+from .jsonutil import jsonable
 from .metrics import GROUPS
 from .plugins import method_class
 
@@ -102,7 +103,7 @@ def mean_last(history: list[dict], n: int = 3) -> dict[str, float | None]:
 
 def write_json(path: Path, obj) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=_jsonable))
+    tmp.write_text(json.dumps(obj, indent=1, default=jsonable))
     os.replace(tmp, path)
 
 
@@ -148,16 +149,6 @@ def diverged_error(out: Path, method: str, wall_time: float, history: list[dict]
 def _finite(x):
     """``x``, or None for NaN and infinities (which strict JSON readers refuse; the reason names them)."""
     return x if x is None or np.isfinite(x) else None
-
-
-def _jsonable(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
 def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | None = None, *,

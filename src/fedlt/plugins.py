@@ -84,7 +84,7 @@ def load_method_file(path: str | os.PathLike) -> list[str]:
         _undo(before)
         raise ConfigError(f"method file {path} registers no method; decorate its class with "
                           f"@fedlt.METHODS.register(\"my-method\")")
-    base = METHODS._base()
+    base = METHODS.base
     for n in names:
         obj = METHODS._items[n]
         if not (isinstance(obj, type) and issubclass(obj, base)):

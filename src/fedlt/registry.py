@@ -34,10 +34,12 @@ def one_line(e: BaseException) -> str:
 
 
 class Registry:
-    def __init__(self, kind: str, group: str | None = None, base: Callable[[], type] | None = None):
-        """``group``: the entry-point group of plugins (None: none); ``base``: returns the class that every
-        plugin object must subclass (called lazily, so the registry module imports nothing)."""
-        self.kind, self.group, self._base = kind, group, base
+    def __init__(self, kind: str, group: str | None = None):
+        """``group``: the entry-point group of plugins (None: none). ``base``: the class every plugin object
+        must subclass, set by the package that defines it (``fedlt.methods`` sets ``Method``), so this module,
+        the bottom layer that everything registers with, imports nothing of fedlt but its errors."""
+        self.kind, self.group = kind, group
+        self.base: type | None = None
         self._items: dict[str, Any] = {}
         self._origin: dict[str, str] = {}  # name -> where a non-built-in came from ("plugin ...", "file ...")
         self._loaders: list[Callable[[], None]] = []
@@ -114,7 +116,7 @@ class Registry:
                 del self._items[n]
             self._broken[name] = self._plugin_error(name, ep, f"import failed: {one_line(e)}")
             return
-        base = self._base() if self._base else None
+        base = self.base
         if base is not None and not (isinstance(obj, type) and issubclass(obj, base)):
             self._broken[name] = self._plugin_error(
                 name, ep, f"{obj!r} is not a subclass of {base.__module__.split('.')[0]}.{base.__name__}")
@@ -195,13 +197,7 @@ class Registry:
         return name in self._items or name in (self._plugins or {})
 
 
-def _method_base() -> type:
-    from .core.api import Method
-
-    return Method
-
-
-METHODS = Registry("method", group="fedlt.methods", base=_method_base)
+METHODS = Registry("method", group="fedlt.methods")
 DATASETS = Registry("dataset")
 MODELS = Registry("model")
 PARTITIONS = Registry("partition")

@@ -26,7 +26,7 @@ def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..data import fetch as F
-    from ..data.datasets import default_data_home
+    from ..data.base import default_data_home
     from ..registry import DATASETS
 
     if args.data_command == "fetch":

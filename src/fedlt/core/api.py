@@ -32,6 +32,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..models import Model, build_model
+from .spec import RunSpec, load_weights, weights_of
+from .steps import run_steps
 
 Meta = dict[str, Any]
 
@@ -45,31 +47,6 @@ class Message:
 
     def nbytes(self) -> int:
         return int(sum(t.numel() * t.element_size() for t in self.arrays.values()))
-
-
-@dataclass
-class RunSpec:
-    """What both sides of a method know about the run (the same on every process)."""
-
-    model: str
-    in_shape: tuple[int, int, int]
-    num_classes: int
-    seed: int = 0
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    batch_size: int = 32
-    local_epochs: int = 2
-    rounds: int = 50
-    num_clients: int = 20
-    device: str = "cpu"
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (core.training.autocast)
-    channels_last: str = "auto"  # auto (on CUDA under bf16/fp16, for models with convolutions) | on | off
-    cache_dir: str | None = None
-    # The data settings (dataset, data_dir, imbalance_ratio, lt_profile, tail_classes, n_max, seed), plain
-    # values like the rest: a server that holds data of its own (Ratio Loss's auxiliary balanced set) can
-    # rebuild which training samples the clients hold, and draw its own from the others. Empty: unknown.
-    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -183,8 +160,6 @@ class Method:
     def local_train(self, payload: Message, cstate: dict, data, gen: torch.Generator) -> tuple[Message, dict]:
         """One client's training of one round. Default: run :meth:`local_steps` here, one client alone, and
         answer with :meth:`local_reply`; a method with a loop of its own overrides this instead."""
-        from .steps import run_steps
-
         steps = self.local_steps(payload, cstate, data)
         if steps is None:
             raise NotImplementedError(f"method {self.name} defines neither local_steps nor local_train")
@@ -238,21 +213,6 @@ class Method:
         load_weights(self._eval_net, weights)
         self._eval_net.eval()
         return self._eval_net
-
-
-# -------------------------------------------------------------------- helpers for methods
-def weights_of(model: nn.Module, keys=None) -> dict[str, torch.Tensor]:
-    """Detached copies of the state-dict entries (all, or those in ``keys``)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if keys is None or k in keys}
-
-
-def load_weights(model: nn.Module, arrays: dict[str, torch.Tensor]) -> None:
-    """Copy the given entries into the model (entries not in the model's state dict are ignored)."""
-    sd = model.state_dict()
-    with torch.no_grad():
-        for k, v in arrays.items():
-            if k in sd:
-                sd[k].copy_(v)
 
 
 def _coerce(v: Any, default: Any, label: str) -> Any:

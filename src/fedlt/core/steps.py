@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from .api import load_weights, weights_of
+from .spec import load_weights, weights_of
 from .training import make_optimizer, train_local
 
 

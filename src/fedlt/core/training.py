@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .api import RunSpec
+from .spec import RunSpec
 
 
 def make_optimizer(params: Iterable, spec: RunSpec, lr: float | None = None, momentum: float | None = None,

@@ -13,11 +13,9 @@ of their own (:mod:`~fedlt.data.images`, :mod:`~fedlt.data.leaf`, :mod:`~fedlt.d
 from __future__ import annotations
 
 import gzip
-import os
 import pickle
 import struct
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,44 +23,7 @@ import torch
 
 from ..errors import ConfigError, DataError
 from ..registry import DATASETS
-
-
-@dataclass
-class Dataset:
-    name: str
-    x_train: torch.Tensor  # uint8 [N, C, H, W] (float32 for synthetic)
-    y_train: torch.Tensor  # int64 [N]
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    num_classes: int
-    mean: tuple[float, ...] = (0.0,)
-    std: tuple[float, ...] = (1.0,)
-    augment: str = "none"  # "none", "crop-flip" (CIFAR) or "rrc-flip" (ImageNet-style; data.transforms)
-    default_model: str = "smallcnn"
-    class_names: list[str] = field(default_factory=list)
-    # natural owners (writer / user, as integers 0..U-1, named in group_names) of the samples, or None
-    train_groups: np.ndarray | None = None
-    test_groups: np.ndarray | None = None
-    group_names: list[str] = field(default_factory=list)
-    input_shape: tuple[int, int, int] | None = None  # model input, when stored samples are larger (crops)
-    lt_n_max: int | None = None  # the head class's size of the long-tail profile when --n-max is not given
-
-    @property
-    def in_shape(self) -> tuple[int, int, int]:
-        return self.input_shape or tuple(self.x_train.shape[1:])  # type: ignore[return-value]
-
-
-def default_data_home() -> Path:
-    """Where ``fedlt data fetch`` puts datasets without ``--data-dir`` or ``$FEDLT_DATA``."""
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "fedlt"
-
-
-def _candidate_dirs(data_dir: str | None, name: str, system: list[str]) -> list[Path]:
-    dirs: list[Path] = []
-    for base in [data_dir, os.environ.get("FEDLT_DATA"), default_data_home()]:
-        if base:
-            dirs += [Path(base), Path(base) / name]
-    return dirs + [Path(p) for p in system]
+from .base import Dataset, NumpyUnpickler, candidate_dirs
 
 
 def _find(dirs: list[Path], names: list[str]) -> Path | None:
@@ -95,7 +56,7 @@ def _check_labels(y: np.ndarray, num_classes: int, where: str) -> None:
 
 
 def _load_idx_dataset(name, data_dir, system, install_hint, mean, std, num_classes=10) -> Dataset:
-    dirs = _candidate_dirs(data_dir, name, system)
+    dirs = candidate_dirs(data_dir, name, system)
     parts, paths = {}, {}
     for key, stem in [("xtr", "train-images-idx3-ubyte"), ("ytr", "train-labels-idx1-ubyte"),
                       ("xte", "t10k-images-idx3-ubyte"), ("yte", "t10k-labels-idx1-ubyte")]:
@@ -144,39 +105,6 @@ def load_mnist(data_dir: str | None = None, **_) -> Dataset:
     )
 
 
-class NumpyUnpickler(pickle.Unpickler):
-    """Unpickles what dataset files published as pickles hold -- dicts, lists, strings, numbers and numpy arrays
-    (the CIFAR python batches, BalanceFL's IMU ``.npy`` files) -- and nothing else: any other global a pickle
-    names (``os.system``, ``eval``, a class) is refused before it is looked up, so a planted file cannot run
-    code. ``what`` names the file kind in the one-line error."""
-
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-               ("numpy", "ndarray"), ("numpy", "dtype")}
-
-    def __init__(self, file, what: str, **kw):
-        super().__init__(file, **kw)
-        self.what = what
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("_codecs", "encode"):  # bytes in a protocol-2 pickle written by Python 3
-            return self._latin1_encode
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which no {self.what} holds")
-        if module.startswith("numpy.core.") and hasattr(np, "_core"):  # numpy 1 pickles, read by numpy 2
-            module = "numpy._core." + module[len("numpy.core."):]
-        return super().find_class(module, name)
-
-    def _latin1_encode(self, text: str, encoding: str = "latin1") -> bytes:
-        """``_codecs.encode(text, "latin1")``, the one call Python 3 writes into protocol-2 pickles to make bytes;
-        any other codec name is refused (a codec is a lookup by name: nothing else is needed, so nothing else is
-        allowed)."""
-        if not isinstance(text, str) or encoding.lower().replace("-", "").replace("_", "") not in ("latin1",
-                                                                                                  "iso88591"):
-            raise pickle.UnpicklingError(f"it encodes with {encoding!r}, which no {self.what} does")
-        return text.encode("latin1")
-
-
 def _unpickle(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
@@ -191,7 +119,7 @@ def _unpickle(path: Path) -> dict:
 
 def _load_cifar(name: str, data_dir: str | None, folder: str, train_files, test_files, label_key, num_classes):
     dirs = []
-    for d in _candidate_dirs(data_dir, name, []):
+    for d in candidate_dirs(data_dir, name, []):
         dirs += [d / folder, d]
     base = next((d for d in dirs if all((d / f).is_file() for f in train_files + test_files)), None)
     if base is None:
@@ -283,13 +211,6 @@ def load_synthetic(data_dir: str | None = None, num_classes: int = 10, n_per_cla
     return Dataset(name="synthetic", x_train=xtr, y_train=ytr, x_test=xte, y_test=yte,
                    num_classes=num_classes, default_model="mlp")
 
-
-def _register_more() -> None:
-    """The loaders that live in their own modules (images, LEAF, speech, IMU), imported at the first lookup."""
-    from . import images, imu, leaf, speech  # noqa: F401
-
-
-DATASETS.add_loader(_register_more)
 
 _CACHE: dict[tuple, Dataset] = {}
 

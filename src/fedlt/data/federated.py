@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .datasets import Dataset, load_dataset
+from .base import Dataset
+from .datasets import load_dataset
 from .partition import count_matrix
 from .split import default_lt_profile, split_training_set
 from .transforms import apply_augment, draw_augment, to_device, to_float

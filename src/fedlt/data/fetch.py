@@ -259,7 +259,7 @@ MARKERS = {  # files that show a dataset is present in a folder (besides the fet
 def presence(data_dir: str | None = None) -> list[Presence]:
     """Where each registered dataset is found (the loaders' search order) and how to get it."""
     from ..registry import DATASETS
-    from .datasets import _candidate_dirs
+    from .base import candidate_dirs
     from .store import cache_root
 
     out = []
@@ -270,7 +270,7 @@ def presence(data_dir: str | None = None) -> list[Presence]:
             out.append(Presence(name, "bundled" if name == "digits" else "generated", "-"))
             continue
         where = None
-        for d in _candidate_dirs(data_dir, name, system.get(name, [])):
+        for d in candidate_dirs(data_dir, name, system.get(name, [])):
             if any((d / m).exists() for m in MARKERS.get(name, [])):
                 where = str(d)
                 break

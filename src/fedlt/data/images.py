@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..registry import DATASETS
-from .datasets import Dataset, _candidate_dirs
+from .base import Dataset, candidate_dirs
 from .store import Cache, key_of, require_pillow
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -153,7 +153,7 @@ def load_imagenet_lt(data_dir: str | None = None, image_size: int = 224, **_) ->
     Training split: 115,846 images in the list's line order (the partition-file index space); test: the
     balanced 50,000-image test list (``ImageNet_LT_val.txt`` is not used). Classes: the largest label + 1.
     """
-    dirs = _candidate_dirs(data_dir, "imagenet-lt", [])
+    dirs = candidate_dirs(data_dir, "imagenet-lt", [])
     root = next((d for d in dirs if (d / LT_LISTS["train"]).is_file() and (d / LT_LISTS["test"]).is_file()), None)
     if root is None:
         raise DataError(f"imagenet-lt: {LT_LISTS['train']} and {LT_LISTS['test']} not found in "
@@ -193,7 +193,7 @@ def load_inat_user(data_dir: str | None = None, image_size: int = 224, **_) -> D
     its set iNaturalist-User-160k (160k images, 1,023 species); the split Hsu et al. publish is User-120k
     (9,275 users, 1,203 classes, 120,300 training images); either is read the same way.
     """
-    dirs = _candidate_dirs(data_dir, "inat-user", [])
+    dirs = candidate_dirs(data_dir, "inat-user", [])
     found = [(d, sorted(d.glob("federated_train*.csv"))) for d in dirs]
     root, trains = next(((d, t) for d, t in found if t and (d / "test.csv").is_file()), (None, []))
     if root is None:

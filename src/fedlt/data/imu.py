@@ -21,7 +21,7 @@ import torch
 
 from ..errors import DataError
 from ..registry import DATASETS
-from .datasets import Dataset, NumpyUnpickler, _candidate_dirs
+from .base import Dataset, NumpyUnpickler, candidate_dirs
 
 DATA_DIM, FRAMES, NUM_CLASSES = 9, 200, 8
 FILES = {"train": "aiot_train.npy", "test": "aiot_test.npy"}
@@ -72,7 +72,7 @@ def load_imu(data_dir: str | None = None, **_) -> Dataset:
     Training split in file order; long-tailed as collected (rho 24.8); ``--partition natural``: one client per
     person. Default model: the MLP.
     """
-    dirs = _candidate_dirs(data_dir, "imu", [])
+    dirs = candidate_dirs(data_dir, "imu", [])
     root = next((d for d in dirs if all((d / f).is_file() for f in FILES.values())), None)
     if root is None:
         raise DataError(f"imu: {' and '.join(FILES.values())} not found in "

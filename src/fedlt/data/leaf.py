@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..registry import DATASETS
-from .datasets import Dataset, _candidate_dirs
+from .base import Dataset, candidate_dirs
 from .store import Cache, file_signature, key_of, require_pillow
 
 NUM_CLASSES, SIDE = 62, 28
@@ -93,7 +93,7 @@ def load_femnist(data_dir: str | None = None, **_) -> Dataset:
     that from NIST SD19, as LEAF's preprocessing does). Decoded once into a cache. With ``--partition natural``
     the clients are writers, each with its own LEAF test samples as its personal test set.
     """
-    dirs = _candidate_dirs(data_dir, "femnist", [])
+    dirs = candidate_dirs(data_dir, "femnist", [])
     found = next(((d, lay) for d in dirs if (lay := leaf_layout(d))), None)
     if found is None:
         raise DataError(f"femnist: no LEAF JSON (train/ and test/, or all_data/) in "

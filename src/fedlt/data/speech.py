@@ -20,7 +20,7 @@ import torch
 
 from ..errors import DataError
 from ..registry import DATASETS
-from .datasets import Dataset, _candidate_dirs
+from .base import Dataset, candidate_dirs
 from .store import Cache, file_signature, key_of
 
 CLASSES = ["zero", "five", "yes", "seven", "nine", "one", "down", "no", "stop", "two", "go", "six", "on", "left",
@@ -110,7 +110,7 @@ def load_speech_commands(data_dir: str | None = None, **_) -> Dataset:
     wav files per keyword, ``validation_list.txt``, ``testing_list.txt``), or that folder itself. Training
     split in sorted path order (the partition-file index space). Defaults: ResNet-8 and n_max 3000.
     """
-    dirs = [p for d in _candidate_dirs(data_dir, "speech-commands", []) for p in (d / FOLDER, d)]
+    dirs = [p for d in candidate_dirs(data_dir, "speech-commands", []) for p in (d / FOLDER, d)]
     root = next((d for d in dirs if (d / "testing_list.txt").is_file()), None)
     if root is None:
         raise DataError(f"speech-commands: {FOLDER}/testing_list.txt not found under "

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConfigError
+from ..jsonutil import jsonable
 from ..safefile import load_tree, save_tree
 
 CHECKPOINT = "checkpoint.safetensors"
@@ -199,12 +200,10 @@ class MetricsLog:
     resumed run continues from; the file is rewritten to hold exactly those before new ones are appended."""
 
     def __init__(self, run_dir: Path, history: list[dict] | None = None, tensorboard: bool = True):
-        from ..experiment import _jsonable
-
-        self._default = _jsonable
+        self._default = jsonable
         path = Path(run_dir) / METRICS
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, default=_jsonable) + "\n" for r in history or []))
+        tmp.write_text("".join(json.dumps(r, default=jsonable) + "\n" for r in history or []))
         os.replace(tmp, path)
         self.file = open(path, "a", buffering=1)
         self.tb = _tensorboard(Path(run_dir) / "tensorboard", len(history or []) + 1) if tensorboard else None

@@ -39,10 +39,11 @@ from ..data.datasets import load_dataset
 from ..data.federated import Prep
 from ..engine.simulation import clients_per_round, is_eval_round, sampling_schedule
 from ..errors import ConfigError, Diverged
-from ..experiment import (_jsonable, diverged_error, format_summary, make_spec, run_dir_for, run_summary,
+from ..experiment import (diverged_error, format_summary, make_spec, run_dir_for, run_summary,
                           write_json, write_partition)
 from ..experiments.divergence import DivergenceCheck
 from ..experiments.runstate import save_final_state
+from ..jsonutil import jsonable
 from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
 from ..plugins import method_class
 from .client_app import global_state_records, job_text
@@ -309,7 +310,7 @@ class FedltStrategy(Strategy):
         write_partition(out, self.fed, [self.info[c]["test_size"] for c in sorted(self.info)])
         with open(out / "metrics.jsonl", "w", buffering=1) as metrics:
             def log(rec):
-                metrics.write(json.dumps(rec, default=_jsonable) + "\n")
+                metrics.write(json.dumps(rec, default=jsonable) + "\n")
 
             self.log = log
             check = DivergenceCheck(cfg.method, cfg.lr, cfg.on_diverge, cfg.diverge_factor, self.echo)

@@ -3,6 +3,7 @@ so a new method needs no change anywhere else: drop a file that registers itself
 import importlib
 import pkgutil
 
+from ..core.api import Method
 from ..registry import METHODS
 
 
@@ -13,3 +14,4 @@ def _load_all() -> None:
 
 
 METHODS.add_loader(_load_all)
+METHODS.base = Method  # what a plugin's entry point must name a subclass of

@@ -1,0 +1,92 @@
+"""What every dataset loader shares: the in-memory :class:`Dataset`, where files are looked for
+(:func:`candidate_dirs`) and the restricted unpickler for datasets published as pickles.
+
+The loaders (:mod:`~fedlt.data.datasets` for the small built-in sets, :mod:`~fedlt.data.images`,
+:mod:`~fedlt.data.leaf`, :mod:`~fedlt.data.speech`, :mod:`~fedlt.data.imu`) import this module and register
+themselves in :data:`fedlt.registry.DATASETS`; :mod:`fedlt.data` installs the registry's loader that imports
+them. This module imports none of them.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Dataset:
+    name: str
+    x_train: torch.Tensor  # uint8 [N, C, H, W] (float32 for synthetic)
+    y_train: torch.Tensor  # int64 [N]
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    augment: str = "none"  # "none", "crop-flip" (CIFAR) or "rrc-flip" (ImageNet-style; data.transforms)
+    default_model: str = "smallcnn"
+    class_names: list[str] = field(default_factory=list)
+    # natural owners (writer / user, as integers 0..U-1, named in group_names) of the samples, or None
+    train_groups: np.ndarray | None = None
+    test_groups: np.ndarray | None = None
+    group_names: list[str] = field(default_factory=list)
+    input_shape: tuple[int, int, int] | None = None  # model input, when stored samples are larger (crops)
+    lt_n_max: int | None = None  # the head class's size of the long-tail profile when --n-max is not given
+
+    @property
+    def in_shape(self) -> tuple[int, int, int]:
+        return self.input_shape or tuple(self.x_train.shape[1:])  # type: ignore[return-value]
+
+
+def default_data_home() -> Path:
+    """Where ``fedlt data fetch`` puts datasets without ``--data-dir`` or ``$FEDLT_DATA``."""
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "fedlt"
+
+
+def candidate_dirs(data_dir: str | None, name: str, system: list[str]) -> list[Path]:
+    """The folders a dataset's files are looked for in, in order: ``data_dir``, ``$FEDLT_DATA`` and
+    :func:`default_data_home`, each also with a sub-folder ``name``, then the ``system`` locations."""
+    dirs: list[Path] = []
+    for base in [data_dir, os.environ.get("FEDLT_DATA"), default_data_home()]:
+        if base:
+            dirs += [Path(base), Path(base) / name]
+    return dirs + [Path(p) for p in system]
+
+
+class NumpyUnpickler(pickle.Unpickler):
+    """Unpickles what dataset files published as pickles hold -- dicts, lists, strings, numbers and numpy arrays
+    (the CIFAR python batches, BalanceFL's IMU ``.npy`` files) -- and nothing else: any other global a pickle
+    names (``os.system``, ``eval``, a class) is refused before it is looked up, so a planted file cannot run
+    code. ``what`` names the file kind in the one-line error."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+               ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def __init__(self, file, what: str, **kw):
+        super().__init__(file, **kw)
+        self.what = what
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("_codecs", "encode"):  # bytes in a protocol-2 pickle written by Python 3
+            return self._latin1_encode
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which no {self.what} holds")
+        if module.startswith("numpy.core.") and hasattr(np, "_core"):  # numpy 1 pickles, read by numpy 2
+            module = "numpy._core." + module[len("numpy.core."):]
+        return super().find_class(module, name)
+
+    def _latin1_encode(self, text: str, encoding: str = "latin1") -> bytes:
+        """``_codecs.encode(text, "latin1")``, the one call Python 3 writes into protocol-2 pickles to make bytes;
+        any other codec name is refused (a codec is a lookup by name: nothing else is needed, so nothing else is
+        allowed)."""
+        if not isinstance(text, str) or encoding.lower().replace("-", "").replace("_", "") not in ("latin1",
+                                                                                                  "iso88591"):
+            raise pickle.UnpicklingError(f"it encodes with {encoding!r}, which no {self.what} does")
+        return text.encode("latin1")
+
+
