@@ -92,7 +92,7 @@ def test_out_of_memory_halves_the_chunk_with_the_same_batches(monkeypatch):
     seq = _sim("fedloge", "off")
     f_seq = seq.run()
     bat = _sim("fedloge", "off")
-    bat.parallel_chunk = lambda: None  # "auto" as on a GPU
+    bat.transport.parallel_chunk = lambda: None  # "auto" as on a GPU
     f_bat = bat.run()
     assert sizes[:2] == [4, 2] and set(sizes[2:]) == {1}  # the size that fitted is kept for round 2
     _assert_same_run(seq, f_seq, bat, f_bat)

@@ -209,14 +209,14 @@ def _restart_run(tmp_path, state_dir):
     nodes = [{"partition-id": i, **({"state-dir": str(state_dir)} if state_dir else {})} for i in range(2)]
     grid = InProcessGrid(nodes)
     st = FedltStrategy(cfg, **QUIET)
-    train_round = st.train_round
+    train_round = st.driver.train_round
 
-    def restarting(g, rnd):
-        if rnd == 2:
-            g.restart(st.nodes[0])
-        return train_round(g, rnd)
+    def restarting():
+        if st.driver.round + 1 == 2:
+            grid.restart(st.nodes[0])
+        return train_round()
 
-    st.train_round = restarting
+    st.driver.train_round = restarting
     with server_identity():
         st.run(grid)
     return st, grid
@@ -316,3 +316,48 @@ def test_a_diverging_flower_run_stops_with_exit_3_like_the_simulation(tmp_path, 
     sim, fl = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("sim", "fl"))
     assert fl["status"] == "diverged" and fl["diverged"]["round"] == sim["diverged"]["round"]
     assert sim_err.split(" -- ")[0].split(": ", 1)[1] == fl_err.split(" -- ")[0].split(": ", 1)[1]
+
+
+# ------------------------------------------------------------------------------------------- resume
+class Killed(Exception):
+    """Stands for the process being killed."""
+
+
+def test_a_killed_flower_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, monkeypatch):
+    """`fedlt flower inprocess --checkpoint-every 1`, killed during round 3 (after the checkpoint of round 2), then
+    `--resume` in a new process-like start (new grid: the SuperNodes' memory is gone): the checkpoint brings back
+    the server state, the history and the clients' personal heads, and the run ends exactly as an uninterrupted
+    one. FedLoGe: its clients' state (phi_k) decides PM."""
+    import json
+
+    from fedlt.cli import main as cli_main
+    from fedlt.engine.driver import Driver
+    from fedlt.experiments.runstate import CHECKPOINT
+
+    args = ["flower", "inprocess", "--method", "fedloge", "--set", "sse_steps=200", "--dataset", "digits", "--rho",
+            "10", "--clients", "3", "--alpha", "1", "--rounds", "4", "--eval-every", "1", "--local-epochs", "1",
+            "--threads", "1", "--out", str(tmp_path), "--checkpoint-every", "1"]
+    assert cli_main([*args, "--name", "whole"]) == 0
+    train_round = Driver.train_round
+
+    def dies_in_round_3(self):
+        if self.round == 2:
+            raise Killed
+        return train_round(self)
+
+    monkeypatch.setattr(Driver, "train_round", dies_in_round_3)
+    with pytest.raises(Killed):
+        cli_main([*args, "--name", "cut"])
+    monkeypatch.setattr(Driver, "train_round", train_round)
+    assert (tmp_path / "cut" / CHECKPOINT).is_file() and not (tmp_path / "cut" / "summary.json").exists()
+    assert cli_main([*args, "--name", "cut", "--resume"]) == 0
+    want, got = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("whole", "cut"))
+    assert got["resumed_after_round"] == 2 and got["status"] == "finished"
+    assert got["last3"] == want["last3"]
+    strip = lambda ev: {k: v for k, v in ev.items() if k != "eval_time"}  # noqa: E731
+    assert strip(got["final"]) == strip(want["final"])
+    recs = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in recs if "round" in r] == [1, 2, 3, 4]  # none lost, none twice
+    full = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [strip(r["eval"]) for r in recs if "eval" in r] == [strip(r["eval"]) for r in full if "eval" in r]
+    assert not (tmp_path / "cut" / CHECKPOINT).exists()  # a finished run keeps no checkpoint

@@ -177,15 +177,28 @@ def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | 
 
 
 def _run_locked(cfg, pr: Prepared, out: Path, progress, echo, checkpoint_every, resume, labels) -> dict:
+    fed, method = pr.fed, pr.method
+    config = {**cfg.to_dict(), "model": pr.spec.model, "lt_profile_used": lt_profile_of(cfg, fed),
+              "method_params": vars(method.p), "engine": "simulation"}
+    sim = Simulation(method, fed, EngineConfig.of(cfg, progress))
+    return run_recorded(sim, cfg, out, config, fed, [len(c.test_y) for c in fed.clients], echo,
+                        checkpoint_every=checkpoint_every, resume=resume, labels=labels, intro=fed.summary())
+
+
+def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federation, test_sizes: list[int], echo,
+                 *, checkpoint_every: int = 0, resume: bool = False, labels: dict | None = None, intro: str = "",
+                 **extra) -> dict:
+    """Run ``driver`` (:class:`fedlt.engine.driver.Driver`, over any transport) and keep its run directory
+    ``out``, the same for every engine: ``config.json`` (``config``, with ``labels``), ``partition.json``,
+    ``metrics.jsonl``, a checkpoint every ``checkpoint_every`` rounds and after the last, the resumption from
+    one (``resume``), the divergence check, ``final_state.safetensors`` and ``summary.json`` (with ``extra``),
+    written last. The caller holds the run directory's lock."""
     from .experiments.divergence import DivergenceCheck
     from .experiments.runstate import (MetricsLog, head_like, load_checkpoint, remove_checkpoints,
                                        save_checkpoint, save_final_state)
 
-    fed, method = pr.fed, pr.method
     for stale in out.glob("*.tmp"):  # left by a process killed mid-write (we hold the run's lock: none is ours)
         stale.unlink(missing_ok=True)
-    config = {**cfg.to_dict(), "model": pr.spec.model, "lt_profile_used": lt_profile_of(cfg, fed),
-              "method_params": vars(method.p), "engine": "simulation"}
     if labels:
         config["labels"] = labels
     notes: list[str] = []
@@ -195,52 +208,54 @@ def _run_locked(cfg, pr: Prepared, out: Path, progress, echo, checkpoint_every, 
         write_json(out / "config.json", config)
     except OSError as e:
         raise ConfigError(f"cannot write the run directory {out}: {e.strerror or e}; choose another --out") from None
-    write_partition(out, fed, [len(c.test_y) for c in fed.clients])
-    echo(fed.summary())
-    sim = Simulation(method, fed, EngineConfig.of(cfg, progress))
+    write_partition(out, fed, test_sizes)
+    if intro:
+        echo(intro)
     elapsed = 0.0
     if ck is not None:
-        sim.load_state_dict(ck["sim"])
+        driver.load_state_dict(ck["sim"])
         elapsed = ck["elapsed"]
-        echo(f"resuming {out} after round {sim.round} of {cfg.rounds}")
+        echo(f"resuming {out} after round {driver.round} of {cfg.rounds}")
     for note in notes:
         echo(f"note: {note}")
-    sim.log = log = MetricsLog(out, sim.history)
+    driver.echo = echo
+    driver.log = log = MetricsLog(out, driver.history)
     C = fed.num_classes
     heads: dict = {}
     saved = {"round": ck["sim"]["round"] if ck is not None else None}
     t0 = time.perf_counter()
 
-    def snapshot_heads(s):  # the server's classifiers at the end of training, before any post-training phase
-        if s.round == cfg.rounds:
-            heads["server_before_phases"] = head_like(s.state, C)
+    def snapshot_heads(d):  # the server's classifiers at the end of training, before any post-training phase
+        if d.round == cfg.rounds:
+            heads["server_before_phases"] = head_like(d.state, C)
 
-    def checkpoint(s):
-        if checkpoint_every > 0 and (s.round % checkpoint_every == 0 or s.round == cfg.rounds):
-            save_checkpoint(out, s.state_dict(), config, elapsed + time.perf_counter() - t0)
-            saved["round"] = s.round
+    def checkpoint(d):
+        if checkpoint_every > 0 and (d.round % checkpoint_every == 0 or d.round == cfg.rounds):
+            save_checkpoint(out, d.state_dict(), config, elapsed + time.perf_counter() - t0)
+            saved["round"] = d.round
 
     check = DivergenceCheck(cfg.method, cfg.lr, cfg.on_diverge, cfg.diverge_factor, echo)
-    sim.after_train.append(check)
-    sim.after_round += [snapshot_heads, checkpoint]
-    snapshot_heads(sim)
+    driver.after_train.append(check)
+    driver.after_round += [snapshot_heads, checkpoint]
+    snapshot_heads(driver)
+    extra = {**extra, "missing": driver.missing}  # clients that did not answer, by round (none in process)
     try:
-        final = sim.run()
+        final = driver.run()
     except Diverged as e:
         log({**e.record, "diverged": e.reason})
         log.close()
         kept = (f"; its last good checkpoint (round {saved['round']}) is kept" if saved["round"] is not None
                 else "")
-        raise diverged_error(out, cfg.method, elapsed + time.perf_counter() - t0, sim.history, e, check.advice(),
-                             kept) from None
+        raise diverged_error(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, e, check.advice(),
+                             kept, **extra) from None
     log.close()
-    summary = run_summary(out, cfg.method, elapsed + time.perf_counter() - t0, sim.history, final)
+    summary = run_summary(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, final, **extra)
     if ck is not None:
         summary["resumed_after_round"] = ck["sim"]["round"]
     if check.first is not None:
         summary["diverged_continued"] = check.first  # --on-diverge continue: round and reason
-    clients = {cid: h for cid, cs in sorted(sim.client_states.items()) if (h := head_like(cs, C))}
-    save_final_state(out, sim.state, {"server": head_like(sim.state, C), **heads, "clients": clients})
+    clients = {cid: h for cid, cs in sorted(driver.transport.state_dict().items()) if (h := head_like(cs, C))}
+    save_final_state(out, driver.state, {"server": head_like(driver.state, C), **heads, "clients": clients})
     write_json(out / "summary.json", summary)
     remove_checkpoints(out)
     echo(format_summary(summary))

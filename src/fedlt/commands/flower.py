@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .run import add_config_arguments, config_from_args
+from .run import add_config_arguments, add_resume_arguments, config_from_args
 
 NAME = "flower"
 HELP = "run a method on Flower: superlink, supernode, app, run (flwr run), inprocess"
@@ -27,10 +27,12 @@ def _flower_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--round-timeout", type=float,
                    help="seconds a round/phase/evaluation waits for replies; later clients count as missing (600)")
     g.add_argument("--wait-timeout", type=float, help="seconds the run waits at the start for its SuperNodes (300)")
+    add_resume_arguments(g)
 
 
 def _flower_kw(args) -> dict:
-    return {"round_timeout": args.round_timeout, "wait_timeout": args.wait_timeout}
+    return {"round_timeout": args.round_timeout, "wait_timeout": args.wait_timeout,
+            "checkpoint_every": args.checkpoint_every or None, "resume": 1 if args.resume else None}
 
 
 def _connection_options(p: argparse.ArgumentParser) -> None:

@@ -115,6 +115,11 @@ def config_from_args(args: argparse.Namespace, **extra):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_resume_arguments(p)
+
+
+def add_resume_arguments(p) -> None:
+    """--checkpoint-every and --resume (``fedlt run`` and the Flower runs)."""
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="write an atomic checkpoint every N rounds (needs --name, so a rerun finds it)")
     p.add_argument("--resume", action="store_true",

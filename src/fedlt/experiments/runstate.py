@@ -37,7 +37,7 @@ LEGACY = ("checkpoint.pt", "final_state.pt")  # fedlt 0.1: pickles, never loaded
 METRICS = "metrics.jsonl"
 # settings that may differ between a run and its resumption (where and how it runs, not what it computes)
 NOT_COMPARED = frozenset({"out", "name", "threads", "device", "data_placement", "preset", "data_dir", "labels",
-                          "engine", "on_diverge", "diverge_factor"})
+                          "engine", "on_diverge", "diverge_factor", "flower"})
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:

@@ -7,8 +7,8 @@ client needs nothing but its data and this package):
 message type            what the client does
 ======================  ==========================================================================
 ``query.describe``      says who it is: client id, training label counts, test-set size
-``train``               ``method.local_train(payload, cstate, data, gen)``, gen = the simulation's
-                        (round, client) generator
+``train``               ``method.local_train(payload, cstate, data, gen)`` at the round's lr (sent
+                        with it), gen = the driver's (round, client) generator
 ``train.phase``         ``method.phase_client(name, payload, cstate, data, gen)`` (a post-training
                         phase, e.g. a realignment or fine-tuning, one message per phase)
 ``evaluate``            personalized evaluation on its own test set:
@@ -40,11 +40,11 @@ import torch
 from flwr.app import Context, Message as FlwrMessage, RecordDict
 from flwr.clientapp import ClientApp
 
-from ..config import RunConfig, lr_at
+from ..config import RunConfig
 from ..core.api import Message, Method, RunSpec
 from ..data.federated import ClientData, Prep
 from ..core.training import autocast
-from ..engine.simulation import PHASE, TRAIN, client_generator
+from ..engine.driver import PHASE, TRAIN, client_generator
 from ..errors import ConfigError, DataError
 from ..metrics import as_modes, client_reports, client_split
 from ..plugins import method_class
@@ -208,8 +208,9 @@ def describe(msg: FlwrMessage, context: Context) -> FlwrMessage:
 @app.train()
 def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
-    rnd = int(control(msg.content)["round"])
-    node.method.spec.lr = lr_at(node.job.cfg, rnd)  # the round's lr, as the simulation sets it
+    ctl = control(msg.content)
+    rnd = int(ctl["round"])
+    node.method.spec.lr = float(ctl["lr"])  # the round's lr, as the run driver set it
     gen = client_generator(node.job.cfg.seed, TRAIN, rnd, node.cid)
     with autocast(node.method.spec):
         reply, cstate = node.method.local_train(from_records(msg.content), node.client_state(context), node.data,
@@ -223,7 +224,7 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
     ctl = control(msg.content)
     name, index = str(ctl["phase"]), int(ctl["index"])
-    node.method.spec.lr = lr_at(node.job.cfg, node.job.cfg.rounds)
+    node.method.spec.lr = float(ctl["lr"])
     gen = client_generator(node.job.cfg.seed, PHASE, index, node.cid)
     with autocast(node.method.spec):
         reply, cstate = node.method.phase_client(name, from_records(msg.content), node.client_state(context),

@@ -114,11 +114,13 @@ def server_identity(run_id: int = 1):
 def run_inprocess(cfg: RunConfig, out: str | Path | None = None, fault: Fault | None = None,
                   node_configs: list[dict] | None = None, echo=print, **flower) -> tuple[FedltStrategy, InProcessGrid, dict]:
     """A whole fedlt run through the Flower ServerApp logic and ClientApp in this process. Nodes default to one
-    per client of the partition (``partition-id`` = 0..clients-1). Returns (strategy, grid, summary)."""
+    per client of the partition (``partition-id`` = 0..clients-1). ``checkpoint_every`` / ``resume``: as for
+    ``fedlt run`` (the nodes' client states are part of the checkpoint). Returns (strategy, grid, summary)."""
     opts = {**FLOWER_DEFAULTS, **{k.replace("_", "-"): v for k, v in flower.items()}}
     nodes = node_configs if node_configs is not None else [{"partition-id": i} for i in range(cfg.clients)]
     grid = InProcessGrid(nodes, fault=fault)
     strategy = FedltStrategy(cfg, opts["round-timeout"], opts["wait-timeout"], opts["poll-interval"], echo=echo)
     with server_identity():
-        summary = strategy.run(grid, Path(out) if out is not None else None)
+        summary = strategy.run(grid, Path(out) if out is not None else None,
+                               checkpoint_every=int(opts["checkpoint-every"]), resume=bool(opts["resume"]))
     return strategy, grid, summary

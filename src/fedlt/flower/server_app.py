@@ -27,6 +27,6 @@ def main(grid: Grid, context: Context) -> None:
     cfg, opts = from_run_config(dict(context.run_config))
     strategy = FedltStrategy(cfg, opts["round-timeout"], opts["wait-timeout"], opts["poll-interval"], echo=_log)
     try:
-        strategy.run(grid)
+        strategy.run(grid, checkpoint_every=int(opts["checkpoint-every"]), resume=bool(opts["resume"]))
     except Diverged as e:  # the run directory's summary.json already says diverged; one line in the log
         _log(f"fedlt: {e}")

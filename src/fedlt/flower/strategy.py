@@ -1,20 +1,18 @@
 """The fedlt strategy: one Flower ``Strategy`` that drives any registered method's server hooks.
 
-:meth:`FedltStrategy.run` is the whole protocol of a fedlt run on a Flower ``Grid`` (in-process, or the
-SuperLink's), mirroring ``fedlt.engine.Simulation`` step for step:
+:meth:`FedltStrategy.run` runs a fedlt run on a Flower ``Grid`` (in-process, or the SuperLink's) by the run
+driver (``fedlt.engine.driver``), the one round loop of every engine, with :class:`GridTransport` carrying its
+messages:
 
 1. ``query.describe`` to every SuperNode: each says its client id, label counts and test-set size; the run
    waits until the run's ``clients`` distinct ids are there (``wait_timeout``), then writes ``config.json``
    and ``partition.json``. SuperNodes that appear later (a restart) are described at the start of a round.
-2. every round: the clients of the simulation's sampling schedule (same seed, same stream) each get
-   ``method.configure(state, rnd, cid)`` as a ``train`` message; the replies that come back within
-   ``round_timeout`` (failed or silent clients are recorded in ``missing``) are passed, in client-id order,
-   to ``method.aggregate``. Every ``eval_every`` rounds: GM on the server (balanced test set), PM on the
-   clients (an ``evaluate`` message with ``method.eval_payload``), aggregated as the simulation does.
-3. each post-training phase in ``method.phases``: one ``train.phase`` message to every client, then
-   ``method.phase_aggregate``.
-4. a final evaluation (without phases: the last round's, which it would repeat); ``metrics.jsonl`` and
-   ``summary.json`` as a simulation writes them, plus the missing clients of every round.
+2. every round, phase and evaluation of the driver: one message per client (``train`` with the round's lr,
+   ``train.phase``, ``evaluate`` with ``method.eval_payload``); the replies that come back within
+   ``round_timeout`` count, failed or silent clients are recorded as missing. GM is computed on the server
+   (balanced test set), PM on the clients, aggregated as the simulation does.
+3. the run directory, checkpoints and resume as for every engine (``fedlt.experiment.run_recorded``), plus the
+   missing clients of every round in ``summary.json``.
 
 The classic ``Strategy.start`` also works (training rounds and the per-round evaluation through
 ``configure_*`` / ``aggregate_*``), but only :meth:`run` does the phases and writes the run directory.
@@ -32,22 +30,18 @@ from flwr.app import ArrayRecord, ConfigRecord, Message as FlwrMessage, MetricRe
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from ..config import RunConfig, lr_at
+from ..config import RunConfig
 from ..core.api import Message, Method
 from ..data import Federation
 from ..data.datasets import load_dataset
 from ..data.federated import Prep
-from ..engine.simulation import clients_per_round, is_eval_round, sampling_schedule
-from ..errors import ConfigError, Diverged
-from ..experiment import (diverged_error, format_summary, make_spec, run_dir_for, run_summary,
-                          write_json, write_partition)
-from ..experiments.divergence import DivergenceCheck
-from ..experiments.runstate import save_final_state
-from ..jsonutil import jsonable
+from ..engine.driver import TRAINING, Driver, EngineConfig, is_eval_round
+from ..errors import ConfigError
+from ..experiment import make_spec, run_dir_for, run_recorded
 from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
 from ..plugins import method_class
 from .client_app import global_state_records, job_text
-from .records import control, from_records, to_records
+from .records import control, from_records, load_client_state, save_client_state, to_records
 
 
 class FedltStrategy(Strategy):
@@ -69,16 +63,19 @@ class FedltStrategy(Strategy):
                               f"federation of SuperNodes does not have; run it with `fedlt run`")
         self.method: Method = cls(self.spec, cls.make_params(cfg.params))
         self.job = job_text(cfg, self.spec, self.prep)
-        self.state = self.method.init_server()
-        K = cfg.clients
-        self.schedule = sampling_schedule(K, clients_per_round(K, cfg.participation), cfg.rounds, cfg.seed)
+        self.transport = GridTransport(self)
+        self.driver = Driver(self.method, EngineConfig.of(cfg, progress=False), self.transport, cfg.clients)
+        self.driver.echo = echo
         self.nodes: dict[int, int] = {}  # client id -> node id (the latest SuperNode that said it is that client)
         self.described: set[int] = set()  # node ids that said who they are
         self.failed_nodes: dict[int, str] = {}  # node id -> why its describe failed (it is asked again)
         self.info: dict[int, dict] = {}  # client id -> its describe reply
-        self.history: list[dict] = []
-        self.missing: dict[str, list[int]] = {}  # "round 3" / "phase la-fr" / "eval 5" -> client ids
-        self.log: Callable[[dict], None] = lambda rec: None
+
+    # the run's state is the driver's
+    state = property(lambda self: self.driver.state, lambda self, v: setattr(self.driver, "state", v))
+    history = property(lambda self: self.driver.history)
+    missing = property(lambda self: self.driver.missing)
+    schedule = property(lambda self: self.driver.schedule)
 
     # ------------------------------------------------------------------ messaging
     def _message(self, content: RecordDict | Message, cid: int, mtype: str, ctl: dict, group: str) -> FlwrMessage:
@@ -164,11 +161,11 @@ class FedltStrategy(Strategy):
         if not self.nodes:  # called by Strategy.start(): learn the clients first
             self.connect(grid)
             self._counts()
-        payloads = self._train_payloads(server_round)
-        return [self._message(p, cid, "train", {"round": server_round}, str(server_round)) for cid, p in payloads.items()]
-
-    def _train_payloads(self, rnd: int) -> dict[int, Message]:
-        return {cid: self.method.configure(self.state, rnd, cid) for cid in self.schedule[rnd - 1] if cid in self.nodes}
+        self.driver.set_lr(server_round)
+        payloads = {cid: self.method.configure(self.state, server_round, cid)
+                    for cid in self.schedule[server_round - 1] if cid in self.nodes}
+        return [self._message(p, cid, "train", {"round": server_round, "lr": self.method.spec.lr}, str(server_round))
+                for cid, p in payloads.items()]
 
     def aggregate_train(self, server_round: int, replies: Iterable[FlwrMessage]):
         got = {int(control(r.content)["client-id"]): r.content for r in replies if not r.has_error()}
@@ -219,9 +216,9 @@ class FedltStrategy(Strategy):
                 per_mode.setdefault(mode, []).append(rep)
         return summarize_personal(per_mode, source)
 
-    def evaluate(self, grid: Grid, tag: str) -> dict:
-        """GM on the server's balanced test set, PM on the clients (as ``fedlt.metrics.evaluate``)."""
-        t0 = time.perf_counter()
+    def evaluate(self, grid: Grid) -> tuple[dict, dict[int, str]]:
+        """GM on the server's balanced test set, PM on the clients (as ``fedlt.metrics.evaluate``); and the
+        clients whose PM is missing, with why."""
         ev = evaluate_global(self.method, self.state, {}, self.fed, self.cfg.split, personal=False)
         cids = sorted(self.nodes)
         got, why = self.exchange(grid, self._eval_messages(cids, not self.method.personalized), self.round_timeout)
@@ -233,117 +230,76 @@ class FedltStrategy(Strategy):
             for cid in why2:
                 got.pop(cid, None)
         ev["personal"] = self._personal(got)
-        if why:
-            ev["missing"] = sorted(why)
-            self._note_missing(tag, why)
-        ev["eval_time"] = time.perf_counter() - t0
-        return ev
-
-    def _note_missing(self, tag: str, why: dict[int, str]) -> None:
-        self.missing[tag] = sorted(why)
-        for cid in sorted(why):
-            self.echo(f"{tag}: client {cid} missing ({why[cid]})")
+        return ev, why
 
     # ------------------------------------------------------------------ the run
-    def _send(self, grid: Grid, payloads: dict[int, Message], mtype: str, ctl: dict, group: str):
-        """One message per client; returns (replies as fedlt Messages in client order, {cid: why missing},
-        bytes sent)."""
-        msgs = {cid: self._message(p, cid, mtype, ctl, group) for cid, p in payloads.items()}
-        got, why = self.exchange(grid, msgs, self.round_timeout)
-        replies = [(cid, from_records(got[cid])) for cid in sorted(got)]
-        return replies, why, sum(p.nbytes() for p in payloads.values())
+    def run(self, grid: Grid, out: Path | None = None, *, checkpoint_every: int = 0, resume: bool = False) -> dict:
+        """The whole run by the run driver over ``grid``; writes the run directory (``cfg.out``/``cfg.name``)
+        as every engine does (``fedlt.experiment.run_recorded``: checkpoints every ``checkpoint_every``
+        rounds, ``resume`` from one) and returns the summary."""
+        from ..experiments.runstate import lock_holder, run_lock
 
-    def _traffic(self, rec: dict, tag: str, n: int, down: int, replies, why: dict[int, str]) -> dict:
-        """The communication and missing-client fields of a round's or phase's record."""
-        rec.update(bytes_down_per_client=down / max(n, 1),
-                   bytes_up_per_client=sum(r.nbytes() for _, r in replies) / max(len(replies), 1),
-                   missing=sorted(why))
-        if why:
-            rec["missing_why"] = {str(c): why[c] for c in sorted(why)}
-            self._note_missing(tag, why)
-        return rec
-
-    def train_round(self, grid: Grid, rnd: int) -> dict:
-        t0 = time.perf_counter()
-        self.connect(grid, wait=False)  # SuperNodes that (re)appeared since the last round
-        sched = self.schedule[rnd - 1]
-        self.method.spec.lr = lr_at(self.cfg, rnd)  # server hooks may read it (SCAFFOLD); clients set their own
-        replies, why, down = self._send(grid, self._train_payloads(rnd), "train", {"round": rnd}, str(rnd))
-        why.update({cid: "no SuperNode for this client" for cid in sched if cid not in self.nodes})
-        if replies:  # a round nobody answered leaves the state as it was
-            self.state = self.method.aggregate(self.state, rnd, replies)
-        losses = [r.meta["loss"] for _, r in replies if "loss" in r.meta]
-        rec = {"round": rnd, "clients": sched, "train_loss": float(np.mean(losses)) if losses else None,
-               "lr": self.method.spec.lr}
-        self._traffic(rec, f"round {rnd}", len(sched), down, replies, why)
-        rec["round_time"] = time.perf_counter() - t0
-        return rec
-
-    def run_phase(self, grid: Grid, phase: str, index: int) -> dict:
-        t0 = time.perf_counter()
-        self.connect(grid, wait=False)
-        m = self.method
-        m.spec.lr = lr_at(self.cfg, self.cfg.rounds)
-        cids = sorted(self.nodes)
-        payloads = {cid: m.phase_configure(phase, self.state, cid) for cid in cids}
-        replies, why, down = self._send(grid, payloads, "train.phase", {"phase": phase, "index": index},
-                                        f"phase-{index}")
-        self.state = m.phase_aggregate(phase, self.state, replies)
-        rec = self._traffic({"phase": phase}, f"phase {phase}", len(cids), down, replies, why)
-        rec["time"] = time.perf_counter() - t0
-        return rec
-
-    def run(self, grid: Grid, out: Path | None = None) -> dict:
-        """The whole run; writes the run directory (``cfg.out``/``cfg.name``) and returns the summary."""
         cfg = self.cfg
         out = Path(out) if out is not None else run_dir_for(cfg)
-        t0 = time.perf_counter()
+        self.transport.grid = grid
         self.echo(f"fedlt: waiting for {cfg.clients} SuperNodes (at most {self.wait_timeout:g} s)")
         self.connect(grid)
         self._counts()
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "config.json", {**cfg.to_dict(), "model": self.spec.model,
-                                         "lt_profile_used": self.spec.data.get("lt_profile"),
-                                         "method_params": vars(self.method.p), "engine": "flower", "flower": {
-                                             "round_timeout": self.round_timeout, "wait_timeout": self.wait_timeout,
-                                             "nodes": {str(c): n for c, n in sorted(self.nodes.items())}}})
-        write_partition(out, self.fed, [self.info[c]["test_size"] for c in sorted(self.info)])
-        with open(out / "metrics.jsonl", "w", buffering=1) as metrics:
-            def log(rec):
-                metrics.write(json.dumps(rec, default=jsonable) + "\n")
+        config = {**cfg.to_dict(), "model": self.spec.model, "lt_profile_used": self.spec.data.get("lt_profile"),
+                  "method_params": vars(self.method.p), "engine": "flower", "flower": {
+                      "round_timeout": self.round_timeout, "wait_timeout": self.wait_timeout,
+                      "nodes": {str(c): n for c, n in sorted(self.nodes.items())}}}
 
-            self.log = log
-            check = DivergenceCheck(cfg.method, cfg.lr, cfg.on_diverge, cfg.diverge_factor, self.echo)
-            for rnd in range(1, cfg.rounds + 1):
-                rec = self.train_round(grid, rnd)
-                try:
-                    check(self, rec)  # the simulation's check: it reads .state and .history, as a Simulation has
-                except Diverged as e:
-                    log({**rec, "diverged": e.reason})
-                    raise diverged_error(out, cfg.method, time.perf_counter() - t0, self.history, e,
-                                         check.advice(), engine="flower", missing=self.missing) from None
-                if is_eval_round(rnd, cfg.eval_every, cfg.rounds):
-                    rec["eval"] = self.evaluate(grid, f"eval {rnd}")
-                    self.echo(f"round {rnd}: " + ", ".join(f"{k} {v:.4f}" for k, v in headline(rec["eval"]).items()
-                                                         if v is not None))
-                else:
-                    self.echo(f"round {rnd}: train loss {rec['train_loss']}")
-                self.history.append(rec)
-                log(rec)
-            for i, phase in enumerate(self.method.phases):
-                rec = self.run_phase(grid, phase, i)
-                self.echo(f"phase {phase}: {rec['time']:.1f} s")
-                log(rec)
-            if not self.method.phases and "eval" in self.history[-1]:
-                final = self.history[-1]["eval"]  # nothing changed since: save every client a message
-            else:
-                final = self.evaluate(grid, "final")
-            log({"final": final})
-        summary = run_summary(out, cfg.method, time.perf_counter() - t0, self.history, final, engine="flower",
-                              missing=self.missing)
-        if check.first is not None:
-            summary["diverged_continued"] = check.first  # --on-diverge continue: round and reason
-        write_json(out / "summary.json", summary)
-        save_final_state(out, self.state)
-        self.echo(format_summary(summary))
-        return summary
+        def say(d):
+            ev = d.history[-1].get("eval")
+            self.echo(f"round {d.round}: " + (", ".join(f"{k} {v:.4f}" for k, v in headline(ev).items() if v is not None)
+                                              if ev else f"train loss {d.history[-1]['train_loss']}"))
+
+        self.driver.after_round.append(say)
+        with run_lock(out) as mine:
+            if not mine:
+                raise ConfigError(f"run directory {out} is in use by another fedlt process (pid {lock_holder(out)}); "
+                                  f"wait for it to finish or choose another --name")
+            return run_recorded(self.driver, cfg, out, config, self.fed,
+                                [self.info[c]["test_size"] for c in sorted(self.info)], self.echo,
+                                checkpoint_every=checkpoint_every, resume=resume, engine="flower")
+
+
+class GridTransport:
+    """The driver's transport over a Flower ``Grid``: one message per client (``train`` with the round and its
+    lr, ``train.phase``, ``evaluate``), replies within ``round_timeout``; clients that fail or stay silent
+    are missing. Client states stay on the clients; on an :class:`~fedlt.flower.inprocess.InProcessGrid`,
+    whose nodes live in this process, they are read for checkpoints and written back on resume."""
+
+    def __init__(self, strategy: FedltStrategy, grid: Grid | None = None):
+        self.st, self.grid = strategy, grid
+
+    def reachable(self, cids) -> dict[int, str]:
+        self.st.connect(self.grid, wait=False)  # SuperNodes that (re)appeared since the last round
+        return {cid: "no SuperNode for this client" for cid in cids if cid not in self.st.nodes}
+
+    def send_and_receive(self, kind: str, index: int, payloads: dict[int, Message]):
+        st = self.st
+        ctl = {"lr": st.method.spec.lr, **({"round": index} if kind == TRAINING else {"phase": kind, "index": index})}
+        mtype, group = ("train", str(index)) if kind == TRAINING else ("train.phase", f"phase-{index}")
+        msgs = {cid: st._message(p, cid, mtype, ctl, group) for cid, p in payloads.items()}
+        got, why = st.exchange(self.grid, msgs, st.round_timeout)
+        return [(cid, from_records(got[cid])) for cid in sorted(got)], why
+
+    def evaluate(self, method: Method, state: dict, split: str):
+        return self.st.evaluate(self.grid)
+
+    def _contexts(self) -> dict:
+        return getattr(self.grid, "contexts", {})  # in-process nodes; a SuperLink's are out of reach
+
+    def state_dict(self) -> dict:
+        ctxs = self._contexts()
+        states = {cid: load_client_state(ctxs[n].state, cid) for cid, n in sorted(self.st.nodes.items()) if n in ctxs}
+        return {cid: s for cid, s in states.items() if s is not None}
+
+    def load_state_dict(self, d: dict) -> None:
+        ctxs = self._contexts()
+        for cid, cstate in d.items():
+            node = self.st.nodes.get(int(cid))
+            if node in ctxs:
+                save_client_state(ctxs[node].state, cstate, int(cid))

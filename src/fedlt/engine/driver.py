@@ -1,0 +1,266 @@
+"""The run driver: the one round loop of every engine, over a transport that carries the messages.
+
+What every engine shares lives here once: the client-sampling schedule, the learning rate of each round, the
+round loop (train, the ``after_train`` hooks such as the divergence check, evaluation every ``eval_every``
+rounds and after the last, the ``after_round`` hooks such as checkpoints), the post-training phases, the final
+evaluation, the clients missing from a round, and the state a checkpoint holds (:meth:`Driver.state_dict`).
+The run directory around it (config, partition, metrics, checkpoints, resume, summary) is
+:func:`fedlt.experiment.run_recorded`, also once for every engine.
+
+How a round's payloads reach the clients and their replies come back is a :class:`Transport`:
+
+- :class:`fedlt.engine.simulation.InProcess`: the clients in this process, one after another;
+- :class:`fedlt.engine.simulation.Batched`: the same, with the clients of a round trained together by the
+  batched executor (``engine.batched``) where the method describes its local steps;
+- :class:`fedlt.flower.strategy.GridTransport`: Flower messages over a ``Grid`` (in-process, a simulation's or
+  the SuperLink's), with clients that may fail or stay silent.
+
+Every random choice derives from the run seed: the sampling stream is drawn up front from its own generator,
+and each (round, client) training call gets its own torch generator, so a run is the same whatever order the
+clients are visited in, and whichever transport carries it.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from ..core.api import Message, Method, derive_seed
+from ..errors import ConfigError
+from ..metrics import headline
+
+SAMPLING, TRAIN, PHASE = 10, 11, 12
+TRAINING = "train"  # the ``kind`` of a training round's exchange; a phase's is its name
+
+
+def sampling_schedule(num_clients: int, per_round: int, rounds: int, seed: int) -> list[list[int]]:
+    """The clients of every round, drawn up front (uniformly without replacement within a round)."""
+    if not 1 <= per_round <= num_clients:
+        raise ConfigError(f"clients per round must be between 1 and {num_clients}, got {per_round}")
+    rng = np.random.default_rng([seed, SAMPLING])
+    return [sorted(rng.choice(num_clients, size=per_round, replace=False).tolist()) for _ in range(rounds)]
+
+
+def clients_per_round(num_clients: int, participation: float) -> int:
+    """participation <= 1 is a fraction of the clients, > 1 a count."""
+    if participation <= 0:
+        raise ConfigError(f"participation must be > 0, got {participation:g}")
+    n = int(round(participation)) if participation > 1 else max(1, int(round(participation * num_clients)))
+    if n > num_clients:
+        raise ConfigError(f"participation {participation:g} asks for {n} clients per round but there are "
+                          f"{num_clients}; use at most {num_clients} or a fraction <= 1")
+    return n
+
+
+def is_eval_round(rnd: int, eval_every: int, rounds: int) -> bool:
+    """Rounds that end with an evaluation: every ``eval_every``-th and the last."""
+    return rnd % eval_every == 0 or rnd == rounds
+
+
+def client_generator(seed: int, purpose: int, rnd: int, cid: int) -> torch.Generator:
+    s = derive_seed(seed, purpose, rnd, cid)
+    torch.manual_seed(s)  # methods that draw from the global RNG stay reproducible too
+    return torch.Generator().manual_seed(s)
+
+
+def rng_state() -> dict:
+    """The global RNG states (torch CPU and CUDA, numpy, python), for checkpoints."""
+    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(d: dict) -> None:
+    torch.set_rng_state(d["torch"])
+    np.random.set_state(d["numpy"])
+    random.setstate(d["python"])
+    if "cuda" in d and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(d["cuda"])
+
+
+@dataclass
+class EngineConfig:
+    rounds: int = 50
+    participation: float = 0.5
+    eval_every: int = 5
+    seed: int = 0
+    split: str = "fedloge"
+    progress: bool = True
+    client_parallel: str = "auto"  # auto | off | N: clients trained together (engine.batched)
+    lr: Callable[[int], float] | None = None  # the local lr of each round (config.lr_at); None: spec.lr as given
+    cuda_graphs: bool = False  # batched steps in static mode, replayed as CUDA graphs on CUDA (engine.graphs)
+
+    @classmethod
+    def of(cls, cfg, progress: bool = True) -> "EngineConfig":
+        """The engine's part of a run configuration (``fedlt.config.RunConfig``)."""
+        from ..config import lr_at
+
+        return cls(cfg.rounds, cfg.participation, cfg.eval_every, cfg.seed, cfg.split, progress,
+                   str(cfg.client_parallel), lr=partial(lr_at, cfg), cuda_graphs=bool(cfg.cuda_graphs))
+
+
+Replies = list[tuple[int, Message]]  # (client id, reply), in client-id order
+
+
+class Transport(Protocol):
+    """Carries one exchange of a run to the clients and back."""
+
+    def reachable(self, cids: list[int]) -> dict[int, str]:
+        """Before a round: the clients among ``cids`` that cannot be reached, with why (none in process)."""
+
+    def send_and_receive(self, kind: str, index: int, payloads: dict[int, Message]) -> tuple[Replies, dict[int, str]]:
+        """``kind`` "train" (``index`` the round) or a phase's name (``index`` its number): each client runs
+        the method's client hook on its payload, with the (purpose, index, client) generator. Returns the
+        replies in client order and {client id: why its reply is missing}."""
+
+    def evaluate(self, method: Method, state: dict, split: str) -> tuple[dict, dict[int, str]]:
+        """GM on the balanced test set and PM on the clients' own test sets; and the clients missing."""
+
+    def state_dict(self) -> dict:
+        """The client states this transport can see (checkpoints); {} where they stay on the clients."""
+
+    def load_state_dict(self, d: dict) -> None: ...
+
+
+class Driver:
+    """Holds the whole run's state (round, server state, history) so that it can be checkpointed, and runs the
+    rounds over ``transport``."""
+
+    def __init__(self, method: Method, cfg: EngineConfig, transport: Transport, num_clients: int,
+                 log: Callable[[dict], None] | None = None):
+        self.method, self.cfg, self.transport = method, cfg, transport
+        self.log = log or (lambda rec: None)
+        self.num_clients = num_clients
+        self.schedule = sampling_schedule(num_clients, clients_per_round(num_clients, cfg.participation),
+                                          cfg.rounds, cfg.seed)
+        self.round = 0
+        self.state = method.init_server()
+        self.history: list[dict] = []
+        self.missing: dict[str, list[int]] = {}  # "round 3" / "phase la-fr" / "eval 5" -> client ids
+        self.echo: Callable[[str], None] = lambda line: None  # what a missing client prints
+        self.after_round: list[Callable[["Driver"], None]] = []
+        # called with each round's record after training and before its evaluation (a divergence check)
+        self.after_train: list[Callable[["Driver", dict], None]] = []
+
+    # ---------------------------------------------------------------- checkpoint / resume
+    def state_dict(self) -> dict:
+        """Everything that decides the rest of the run: the round, the server state, every client's state the
+        transport holds, the method instance's own state (Method.state_dict), the history, the missing
+        clients and the global RNG states. The sampling schedule and the per-(round, client) generators
+        derive from the seed, so they need no saving. The dict refers to live objects: serialise it at once
+        (fedlt.safefile.save_tree)."""
+        return {"round": self.round, "state": self.state, "client_states": self.transport.state_dict(),
+                "history": self.history, "missing": self.missing, "method": self.method.state_dict(),
+                "rng": rng_state()}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Continue from a :meth:`state_dict`; ``run()`` then goes on with round ``d["round"] + 1``."""
+        if d["round"] > self.cfg.rounds:
+            raise ConfigError(f"checkpoint is at round {d['round']} but the run has only {self.cfg.rounds} rounds")
+        self.round, self.state = int(d["round"]), d["state"]
+        self.transport.load_state_dict(dict(d["client_states"]))
+        self.history = list(d["history"])
+        self.missing = {k: list(v) for k, v in d.get("missing", {}).items()}
+        self.method.load_state_dict(d.get("method", {}))
+        set_rng_state(d["rng"])
+
+    # ---------------------------------------------------------------- one exchange
+    def set_lr(self, rnd: int) -> None:
+        """The round's learning rate into the method's spec, from which methods build their optimisers (the
+        one place it is set: a transport sends it along with the payloads)."""
+        if self.cfg.lr is not None:
+            self.method.spec.lr = self.cfg.lr(rnd)
+
+    def exchange(self, kind: str, index: int, tag: str, cids: list[int], make_payload) -> tuple[Replies, dict]:
+        """Payloads to the reachable clients of ``cids``, the replies back; the record's traffic and missing
+        fields."""
+        why = self.transport.reachable(cids)
+        payloads = {c: make_payload(c) for c in cids if c not in why}
+        replies, lost = self.transport.send_and_receive(kind, index, payloads)
+        why.update(lost)
+        rec = {"bytes_down_per_client": sum(p.nbytes() for p in payloads.values()) / max(len(cids), 1),
+               "bytes_up_per_client": sum(r.nbytes() for _, r in replies) / max(len(replies), 1),
+               "missing": sorted(why)}
+        if why:
+            rec["missing_why"] = {str(c): why[c] for c in sorted(why)}
+            self.note_missing(tag, why)
+        return replies, rec
+
+    def note_missing(self, tag: str, why: dict[int, str]) -> None:
+        self.missing[tag] = sorted(why)
+        for cid in sorted(why):
+            self.echo(f"{tag}: client {cid} missing ({why[cid]})")
+
+    # ---------------------------------------------------------------- the run
+    def train_round(self) -> dict:
+        rnd = self.round + 1
+        cids = self.schedule[rnd - 1]
+        t0 = time.perf_counter()
+        m = self.method
+        self.set_lr(rnd)
+        replies, comm = self.exchange(TRAINING, rnd, f"round {rnd}", cids, lambda c: m.configure(self.state, rnd, c))
+        if replies:  # a round nobody answered leaves the state as it was
+            self.state = m.aggregate(self.state, rnd, replies)
+        self.round = rnd
+        losses = [r.meta["loss"] for _, r in replies if "loss" in r.meta]
+        return {"round": rnd, "clients": cids, "train_loss": float(np.mean(losses)) if losses else None,
+                "lr": m.spec.lr, **comm, "round_time": time.perf_counter() - t0}
+
+    def run_phase(self, phase: str, index: int = 0) -> dict:
+        m = self.method
+        t0 = time.perf_counter()
+        self.set_lr(self.cfg.rounds)
+        replies, comm = self.exchange(phase, index, f"phase {phase}", list(range(self.num_clients)),
+                                      lambda c: m.phase_configure(phase, self.state, c))
+        self.state = m.phase_aggregate(phase, self.state, replies)
+        return {"phase": phase, **comm, "time": time.perf_counter() - t0}
+
+    def evaluate(self, tag: str = "final") -> dict:
+        t0 = time.perf_counter()
+        ev, why = self.transport.evaluate(self.method, self.state, self.cfg.split)
+        if why:
+            ev["missing"] = sorted(why)
+            self.note_missing(tag, why)
+        ev["eval_time"] = time.perf_counter() - t0
+        return ev
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        bar = _progress(cfg.rounds, self.round, cfg.progress)
+        last = {}
+        while self.round < cfg.rounds:
+            rec = self.train_round()
+            for hook in self.after_train:
+                hook(self, rec)
+            if is_eval_round(self.round, cfg.eval_every, cfg.rounds):
+                rec["eval"] = self.evaluate(f"eval {self.round}")
+                last = headline(rec["eval"])
+            self.history.append(rec)
+            self.log(rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix({k: f"{v:.3f}" for k, v in last.items() if v is not None} |
+                                {"loss": f"{rec['train_loss'] or 0:.3f}"})
+            for hook in self.after_round:
+                hook(self)
+        if bar is not None:
+            bar.close()
+        for i, phase in enumerate(self.method.phases):
+            self.log(self.run_phase(phase, i))
+        final = self.evaluate("final")
+        self.log({"final": final})
+        return final
+
+
+def _progress(total: int, done: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc="rounds", unit="rnd", dynamic_ncols=True, leave=False)
