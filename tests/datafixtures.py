@@ -1,6 +1,6 @@
 """Small datasets written in their real on-disk formats, for the loader tests and trial runs.
 
-    PYTHONPATH=tests python -m datafixtures OUT   # writes OUT/imagenet-lt, inat-user, femnist, speech, imu
+    PYTHONPATH=tests python -m datafixtures OUT   # writes OUT/imagenet-lt, cifar10, inat-user, femnist, speech, imu
 """
 from __future__ import annotations
 
@@ -43,6 +43,36 @@ def write_imagenet_lt(root: Path, counts=(12, 6, 3, 2), test_per_class=3, seed=0
                 lines[split].append(f"{rel} {c}")
     for split, ls in lines.items():
         (root / f"ImageNet_LT_{split}.txt").write_text("\n".join(ls) + "\n")
+    return root
+
+
+def write_cifar10(root: Path, per_class=100, test_per_class=10, seed=7) -> Path:
+    """CIFAR-10's python version: cifar-10-batches-py/data_batch_1..5 and test_batch, pickled dicts (``data``
+    uint8 [N, 3072] in channel-major order, ``labels``, ``batch_label``, ``filenames``) and batches.meta;
+    ``per_class`` training images of each class spread over the five batches, each class with its own tint."""
+    import pickle
+
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def batch(n_per_class, label):
+        y = np.repeat(np.arange(10), n_per_class)
+        rng.shuffle(y)
+        x = rng.integers(0, 160, (len(y), 3, 32, 32), dtype=np.uint8)
+        x[np.arange(len(y)), y % 3] += (40 + 9 * y).astype(np.uint8)[:, None, None]  # a class-dependent cast
+        return {"batch_label": label, "labels": y.tolist(), "data": x.reshape(len(y), 3072),
+                "filenames": [f"img_{label[-1]}_{i}.png" for i in range(len(y))]}
+
+    for i in range(1, 6):
+        with open(folder / f"data_batch_{i}", "wb") as f:
+            pickle.dump(batch(per_class // 5, f"training batch {i} of 5"), f)
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump(batch(test_per_class, "testing batch 1 of 1"), f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                                     "ship", "truck"], "num_cases_per_batch": 10 * per_class // 5,
+                     "num_vis": 3072}, f)
     return root
 
 
@@ -179,6 +209,7 @@ def write_nist_zips(root: Path, seed=6) -> tuple[Path, Path, dict]:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     write_imagenet_lt(out / "imagenet-lt")
+    write_cifar10(out / "cifar10")
     write_inat_user(out / "inat-user")
     write_femnist(out / "femnist")
     write_speech(out / "speech")

@@ -185,3 +185,15 @@ def test_resnet50_stems_and_mobilenet_batch_statistics():
         assert torch.allclose(ms.features(x[:2]), ms.features(x)[:2], atol=1e-5)
     v = build_model("vgg11", (1, 28, 28), 10, seed=0)
     assert v.backbone.fc[0].in_features == 512  # FedDr+ drops the last max-pool on 28x28
+
+
+def test_resnet56_is_fifty_six_weighted_layers_of_fedml_shape():
+    """RedGrape's CIFAR model (FedML's resnet56): stem + 3 stages x 6 Bottlenecks x 3 convolutions + the head
+    = 56 weighted layers (1x1 shortcut projections not counted, as in He et al.), widths 16/32/64 x 4."""
+    m = build_model("resnet56", (3, 32, 32), num_classes=10, seed=0)
+    shortcut = {id(c) for mod in m.backbone.modules() if hasattr(mod, "shortcut") for c in mod.shortcut.modules()}
+    convs = [c for c in m.backbone.modules() if isinstance(c, nn.Conv2d) and id(c) not in shortcut]
+    assert len(convs) + 1 == 56 and m.feature_dim == 256
+    assert [len(s) for s in m.backbone.stages] == [6, 6, 6] and m.backbone.stem[0].out_channels == 16
+    with torch.no_grad():
+        assert m.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 10)

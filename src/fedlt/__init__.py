@@ -1,7 +1,8 @@
 """fedlt: federated learning on long-tailed, non-IID data.
 
 The public, stable API is what ``__all__`` lists: running and comparing methods from Python (:mod:`fedlt.api`:
-``run``, ``compare``, ``sweep``, ``report``, ``load`` and their results), and what a method of your own needs
+``run``, ``compare``, ``sweep``, ``report``, ``load``, ``reproduce`` (a paper's table) and their results), and
+what a method of your own needs
 (``Method``, ``Message``, ``Predictor``, ``RunSpec``, the local-step description ``LocalSteps``/``Train``/
 ``Trained``/``StepModel``/``ce``/``strip``, ``train_local``, ``weights_of``, ``load_weights``,
 ``METHODS.register``; see docs/writing-a-method.md and docs/batched-clients.md). Everything else may change between versions.
@@ -15,16 +16,16 @@ from . import models as _models  # noqa: E402,F401  (registers the models)
 from . import methods as _methods  # noqa: E402,F401  (installs the method loader)
 from .data import datasets as _datasets, partition as _partition  # noqa: E402,F401
 
-from .api import (Comparison, MethodInfo, Metrics, RunResult, compare, list_methods, load, make_config,  # noqa: E402
-                  report, run, sweep)
+from .api import (Comparison, MethodInfo, Metrics, Reproduced, RunResult, compare, list_methods, load,  # noqa: E402
+                  make_config, report, reproduce, run, sweep)
 from .config import RunConfig  # noqa: E402
 from .core import (LocalSteps, Message, Method, Predictor, RunSpec, StepModel, Train, Trained, ce,  # noqa: E402
                    load_weights, strip, train_local, weights_of)
 
 __all__ = [
     # running and reading experiments (fedlt.api)
-    "run", "compare", "sweep", "report", "load", "make_config", "list_methods",
-    "RunResult", "Comparison", "Metrics", "MethodInfo", "RunConfig",
+    "run", "compare", "sweep", "report", "load", "make_config", "list_methods", "reproduce",
+    "RunResult", "Comparison", "Metrics", "MethodInfo", "RunConfig", "Reproduced",
     # writing a method (fedlt.core.api, fedlt.core.training)
     "Method", "Message", "Predictor", "RunSpec", "train_local", "weights_of", "load_weights",
     "LocalSteps", "Train", "Trained", "StepModel", "ce", "strip",

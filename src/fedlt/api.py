@@ -379,6 +379,70 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
     return result(counts, rep)
 
 
+class Reproduced:
+    """``fedlt reproduce``: the runs (a :class:`Comparison`, None for a dry run), and per cell of the table our
+    number beside the paper's (``rows``: method, setting, metric, ours, ours_std, n, paper, paper_std, diff,
+    status, source; fractions), the rankings per column, and the report written (None for a dry run)."""
+
+    def __init__(self, plan, runs: Comparison | None, report_path: Path | None):
+        from .experiments import reproduce as R
+
+        self.plan, self.runs, self.report_path = plan, runs, report_path
+        self.table = plan.table
+        self.rows = R.compare_rows(plan) if runs is not None else []
+        self.rankings = R.rankings(self.rows)
+
+    @property
+    def exit_status(self) -> int:
+        return 0 if self.runs is None else self.runs.exit_status
+
+    def markdown(self) -> str:
+        from .experiments import reproduce as R
+
+        return R.markdown(self.plan, self.rows, self.table.metric)
+
+    def __repr__(self) -> str:
+        return (f"Reproduced({self.table.name}: {len(self.rows)} cells, methods {', '.join(self.plan.methods)}; "
+                f"settings {', '.join(self.plan.settings)}; seeds {self.plan.seeds}; {self.report_path})")
+
+
+def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
+              settings: str | Iterable[str] | None = None, seeds: Iterable[int] | None = None,
+              rounds: float | int | None = None, jobs: int | None = None, device: str | None = None,
+              data_dir: str | None = None, out: str | None = None, overrides: Mapping[str, Any] | None = None,
+              threads: int | None = None, checkpoint_every: int = 1, figures: bool = True, progress: bool = False,
+              dry_run: bool = False, echo: Echo | None = None) -> Reproduced:
+    """Run a seed paper's published table (``fedlt reproduce --list`` names them) as a sweep and write a report
+    of our numbers beside the paper's (:mod:`fedlt.experiments.reproduce`). ``methods``/``settings``: a part of
+    the table (default all of it); ``seeds`` default 0, 1, 2; ``rounds``: R rounds per run, or a fraction < 1
+    of the paper's, for a first look; ``overrides``: run settings replaced for every run (the report says so).
+    Resumable and parallel as :func:`sweep`. ``dry_run``: list the runs and where the data is; write nothing.
+    Missing data raises a one-line :class:`~fedlt.errors.DataError` before anything is written."""
+    from .experiments import reproduce as R
+    from .experiments.runstate import run_lock
+    from .experiments.sweep import plan as plan_runs
+
+    echo = echo or _quiet
+    rep = R.plan_reproduction(table, methods=None if methods is None else _method_list(methods),
+                              settings=None if settings is None else _method_list(settings),
+                              seeds=None if seeds is None else [int(s) for s in seeds], rounds=rounds, out=out,
+                              device=device, data_dir=data_dir, overrides=dict(overrides or {}),
+                              checkpoint_every=checkpoint_every)
+    runs = plan_runs(rep.sweep)
+    if dry_run:
+        for line in R.dry_run_lines(rep, runs):
+            echo(line)
+        return Reproduced(rep, None, None)
+    R.check_data(runs)
+    cmp = run_sweep(rep.sweep, jobs=jobs, threads=threads, progress=progress, report=False,
+                    metric=rep.table.metric, echo=echo)
+    with run_lock(rep.out / "report", wait=True):  # two reproductions on one folder: one report writer at a time
+        report(rep.out, metric=rep.table.metric, figures=figures, echo=_quiet)
+        path = R.write(rep, echo=echo)
+    cmp.report_dir = path.parent
+    return Reproduced(rep, cmp, path)
+
+
 def report(path: str | os.PathLike, /, *, out: str | os.PathLike | None = None, metric: str = "last3",
            figures: bool = True, echo: Echo | None = None) -> Path:
     """``fedlt report``: tables (Markdown, CSV, LaTeX), figures and report.md for a run or a folder of runs;

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .papers import presets as paper_presets
 
 
 @dataclass
@@ -125,6 +126,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "fmnist-lt-official": {"lr": 0.03, "momentum": 0.5, "batch_size": 8, "local_epochs": 5},
     "smoke": {"dataset": "digits", "imbalance_ratio": 10.0, "clients": 10, "rounds": 20, "eval_every": 5},
 }
+# the seed papers' protocols, <paper>-<dataset> (fedlt.papers: each value with its source; `fedlt list` shows them)
+PRESETS.update({name: dict(p.settings) for name, p in paper_presets().items()})
 
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 

@@ -408,6 +408,13 @@ def _resnet34(in_shape):
     return ResNet(in_shape, blocks=(3, 4, 6, 3), widths=(64, 128, 256, 512))
 
 
+@MODELS.register("resnet56")
+def _resnet56(in_shape):
+    """CIFAR-style ResNet-56 as FedML builds it (RedGrape's CIFAR model): 3x3 stem of 16, Bottleneck stages of
+    6 blocks (16/32/64, x4); 54 convolutions in blocks + stem + head = 56 layers; feature 256."""
+    return ResNet(in_shape, blocks=(6, 6, 6), widths=(16, 32, 64), block=Bottleneck, stem="cifar")
+
+
 @MODELS.register("resnet50")
 def _resnet50(in_shape):
     """ResNet-50 with the ImageNet stem (FedLoGe's ImageNet-LT model; torchvision's resnet50); feature 2048."""

@@ -33,8 +33,17 @@ def main(args) -> int:
         print(f"{title}:")
         for name, obj in reg.items():
             print(f"  {name:<14} {_first_line(obj)}")
-    print("presets:")
+    from ..papers import presets as paper_presets
+
+    papers = paper_presets()
+    print("presets (a paper's protocol: each value with its source; `fedlt reproduce --list` shows the tables):")
     for name, over in PRESETS.items():
-        print(f"  {name:<20} {over or '(the defaults: fmnist-lt of docs/protocol.md)'}")
+        if name not in papers:
+            print(f"  {name:<20} {over or '(the defaults: fmnist-lt of docs/protocol.md)'}")
+            continue
+        p = papers[name]
+        print(f"  {name:<20} {p.description}\n  {'':<20} source: {p.paper}")
+        for k, v in p.settings.items():
+            print(f"  {'':<22} {k} = {v!r}" + (f"  [{p.sources[k]}]" if k in p.sources else ""))
     METHODS.warn_problems()  # the plugins left out, and why
     return 0

@@ -12,7 +12,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """The run settings, shared by every command that runs experiments. Defaults (None here) come from
     fedlt.config.RunConfig: the fmnist-lt protocol of docs/protocol.md."""
     p.add_argument("--config", help="TOML file with run settings ([params] table for method parameters)")
-    p.add_argument("--preset", help="named settings: fmnist-lt, fmnist-lt-official, smoke")
+    p.add_argument("--preset", help="named settings: fmnist-lt, fmnist-lt-official, smoke, or a paper's protocol "
+                                     "(fedloge-cifar10-lt, redgrape-mnist-lt, ...; `fedlt list` shows them)")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", help="fashion-mnist (default), mnist, cifar10, cifar100, imagenet-lt, inat-user, "
                                      "femnist, speech-commands, imu, digits, synthetic")
@@ -46,7 +47,7 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                         "docs/writing-a-method.md); --method defaults to the method it defines")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="method hyper-parameter, repeatable (e.g. --set mu=0.01)")
-    g.add_argument("--model", help="mlp, smallcnn, smallcnn-bn, cnn-mcmahan, resnet8/18/34/50, resnet50-cifar, vgg11, "
+    g.add_argument("--model", help="mlp, smallcnn, smallcnn-bn, cnn-mcmahan, resnet8/18/34/50/56, resnet50-cifar, vgg11, "
                                    "mobilenet (default: per dataset)")
     g.add_argument("--rounds", type=int, help="communication rounds (default 50)")
     g.add_argument("--participation", type=float, help="fraction (<= 1) or count (> 1) of clients per round")
@@ -91,13 +92,13 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--name", help="run directory name (default: method-dataset-...-timestamp)")
 
 
-def parse_set(items: list[str]) -> dict[str, str]:
+def parse_set(items: list[str], option: str = "--set") -> dict[str, str]:
     from ..errors import ConfigError
 
     out = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+            raise ConfigError(f"{option} expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         out[k.strip()] = v.strip()
     return out

@@ -260,6 +260,14 @@ def client_test_index(counts: np.ndarray, test_y: np.ndarray, seed: int, client_
     return np.sort(np.concatenate(out)) if out else np.zeros(0, np.int64)
 
 
+def check_clients(parts: list, clients: int) -> None:
+    """Every client holds at least one training sample (else a one-line ConfigError saying what to change)."""
+    empty = sum(len(p) == 0 for p in parts)
+    if empty:
+        raise ConfigError(f"{empty} of {clients} clients got no training sample; use fewer clients, a larger "
+                          f"--alpha, or --min-client-size 1")
+
+
 def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None, imbalance_ratio: float = 100.0,
                      lt_profile: str | None = "exp", tail_classes: int = 3, n_max: int | None = None,
                      partition_name: str = "dirichlet", clients: int = 20, seed: int = 0, device: str = "cpu",
@@ -276,10 +284,7 @@ def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None
     lt_profile = lt_profile or default_lt_profile(dataset, partition_name, partition_file)
     ylt = y[keep]
     counts = count_matrix(ylt, parts, ds.num_classes)
-    if (counts.sum(1) == 0).any():
-        empty = int((counts.sum(1) == 0).sum())
-        raise ConfigError(f"{empty} of {clients} clients got no training sample; use fewer clients, a larger "
-                          f"--alpha, or --min-client-size 1")
+    check_clients(parts, clients)
     prep = Prep(ds.mean, ds.std, ds.augment, device)
     test_y = ds.y_test.numpy()
     row_bytes = lambda t: t[0].numel() * t.element_size() + 8 if len(t) else 0  # noqa: E731  (sample + label)
