@@ -103,3 +103,14 @@ def test_readme_python_api_example_runs(tmp_path):
     work.mkdir()
     (out,) = run_blocks("README.md#python-api", section, work, doc_env(tmp_path))
     assert "| fedavg |" in out and "| fedloge |" in out
+
+
+def test_reproduce_page_runs(tmp_path):
+    """docs/reproduce.md: its `--list` and `--dry-run` blocks (no data needed; the GPU commands are indented
+    text, not run)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    doc = ROOT / "docs" / "reproduce.md"
+    outputs = run_blocks(doc.name, doc.read_text(), work, {**doc_env(tmp_path), "FEDLT_DATA": str(tmp_path / "none")})
+    assert len(outputs) == 2 and "fedloge-table1" in outputs[0] and "balancefl-table4" in outputs[0]
+    assert "6 runs = 2 methods x 1 settings x 3 seeds" in outputs[1] and not (work / "runs").exists()
