@@ -316,10 +316,20 @@ def rankings(rows: list[Row]) -> list[dict]:
             continue
         paper = [r.method for r in sorted(both, key=lambda r: -r.paper)]
         ours = [r.method for r in sorted(both, key=lambda r: -r.ours)]
+        by = {r.method: r.paper for r in both}
         shown = {r.method: round(100 * r.ours, 2) for r in both}  # ties at the printed precision share a rank
         rank = 1 + sum(v > shown[paper[0]] for v in shown.values())
         out.append({"setting": key[0], "metric": key[1], "paper": paper, "ours": ours,
+                    "ours_shown": [shown[m] for m in ours], "paper_shown": [round(100 * by[m], 2) for m in paper],
                     "winner_agrees": rank == 1, "paper_winner_rank_here": rank})
+    return out
+
+
+def _order(names: list[str], values: list[float]) -> str:
+    """``a > b = c``: best first, ``=`` between methods tied at the printed precision."""
+    out = names[0]
+    for i in range(1, len(names)):
+        out += (" = " if values[i] == values[i - 1] else " > ") + names[i]
     return out
 
 
@@ -367,9 +377,11 @@ def markdown(rep: Reproduction, rows: list[Row], which: str) -> str:
         lines += ["## Rankings (methods with both numbers, best first)", "",
                   "| setting | metric | paper | ours | paper's winner wins here |", "|---|---|---|---|---|"]
         for k in ranks:
-            verdict = "yes" if k["winner_agrees"] else f"no (rank {k['paper_winner_rank_here']} here)"
-            lines.append(f"| {k['setting']} | {k['metric']} | {' > '.join(k['paper'])} | {' > '.join(k['ours'])} | "
-                         f"{verdict} |")
+            tied = k["ours_shown"].count(k["ours_shown"][0]) > 1
+            verdict = (("yes (tied)" if tied else "yes") if k["winner_agrees"]
+                       else f"no (rank {k['paper_winner_rank_here']} here)")
+            lines.append(f"| {k['setting']} | {k['metric']} | {_order(k['paper'], k['paper_shown'])} | "
+                         f"{_order(k['ours'], k['ours_shown'])} | {verdict} |")
         agree = sum(k["winner_agrees"] for k in ranks)
         lines += ["", f"The paper's winner wins here in {agree} of {len(ranks)} columns."]
     return "\n".join(lines) + "\n"
@@ -405,6 +417,7 @@ def write(rep: Reproduction, which: str | None = None, echo: Callable[[str], Non
 def dry_run_lines(rep: Reproduction, runs) -> list[str]:
     """What ``--dry-run`` prints: the grid, where each dataset is (or how to get it), and every run."""
     from ..data.fetch import presence
+    from .sweep import setting_label
 
     t = rep.table
     lines = [f"{t.name} ({t.source}): {len(runs)} runs = {len(rep.methods)} methods x {len(rep.settings)} settings x "
@@ -422,7 +435,7 @@ def dry_run_lines(rep: Reproduction, runs) -> list[str]:
                                         f"NOT FOUND; {p.how if p else 'see `fedlt data list`'}"))
     for r in runs:
         c = r.cfg
-        lines.append(f"{r.status():8s} {r.dir}  ({c.method}{' ' + str(c.params) if c.params else ''}; {c.dataset} "
-                     f"{c.model} rho {c.imbalance_ratio:g} {c.partition} K {c.clients} x {c.participation:g}, "
-                     f"{c.rounds} rounds x {c.local_epochs} epochs, lr {c.lr:g})")
+        lines.append(f"{r.status():8s} {r.dir}  ({c.method}{' ' + str(c.params) if c.params else ''}; "
+                     f"{setting_label(c)} x {c.participation:g}, {c.model}, {c.rounds} rounds x {c.local_epochs} "
+                     f"epochs, lr {c.lr:g})")
     return lines
