@@ -3,14 +3,15 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 DEMO_EXTRAS ?= report
-TEST_EXTRAS ?= test,report,flower
+TEST_EXTRAS ?= test,report,flower,docs
+DOCS_EXTRAS ?= docs
 SUDO    := $(shell [ "$$(id -u)" = "0" ] || echo sudo)
 FMNIST  := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: demo test setup data clean
+.PHONY: demo test setup data docs docs-serve clean
 
 # A venv with the CPU build of torch (pip takes the local 2.13.0 wheel where one is provided) and fedlt.
-# The stamp names the extras installed: report (figures), flower (the Flower engine), test (pytest).
+# The stamp names the extras installed: report (figures), flower (the Flower engine), test (pytest), docs (MkDocs).
 $(BIN)/.installed-%: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -33,5 +34,14 @@ demo: $(BIN)/.installed-$(DEMO_EXTRAS) data
 test: $(BIN)/.installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q
 
+# The documentation site (mkdocs.yml; docs/gen_reference.py writes the method and API references from the code):
+# built into site/, failing on any warning (a broken link, a page missing from the navigation); or served with
+# live reload on http://127.0.0.1:8000.
+docs: $(BIN)/.installed-$(DOCS_EXTRAS)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(BIN)/.installed-$(DOCS_EXTRAS)
+	$(BIN)/mkdocs serve
+
 clean:
-	rm -rf $(VENV) runs build src/*.egg-info
+	rm -rf $(VENV) runs build site src/*.egg-info

@@ -1,5 +1,7 @@
-"""The documentation runs: every code block of docs/writing-a-method.md in order in an empty folder, and the
-Python example of the README, so neither can rot.
+"""The documentation runs: every code block of docs/writing-a-method.md in order in an empty folder, the
+README's 30-second tour and the Python API page's example, so none can rot; and the documentation site builds
+with ``mkdocs build --strict`` (no broken link, no page missing from the navigation), its generated method and
+API references complete.
 
 How a fenced block is run, by its info string:
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -93,16 +96,86 @@ def test_writing_a_method_tutorial_runs(tmp_path):
     assert "(plugin fedavg-la 0.1.0)" in outputs[-1]
 
 
-def test_readme_python_api_example_runs(tmp_path):
-    """The notebook-style example of the README's "Python API" section (its python and text blocks)."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## Python API")
-    section = text[start:text.index("\n## ", start + 1)]
-    assert [b for b in code_blocks(section) if b[0] == "python"], "the Python API section lost its example"
+def section(text: str, heading: str) -> str:
+    """A ``## heading`` section of a Markdown text, up to the next ``## ``."""
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def test_python_api_page_example_runs(tmp_path):
+    """The notebook-style example of docs/python-api.md (its python and text blocks)."""
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    assert [b for b in code_blocks(text) if b[0] == "python"], "the Python API page lost its example"
     work = tmp_path / "work"
     work.mkdir()
-    (out,) = run_blocks("README.md#python-api", section, work, doc_env(tmp_path))
+    (out,) = run_blocks("python-api.md", text, work, doc_env(tmp_path))
     assert "| fedavg |" in out and "| fedloge |" in out
+
+
+def test_readme_tour_runs(tmp_path):
+    """The README's tour, as printed (``.venv/bin/fedlt``, here the test's fedlt): one run, one comparison, one
+    report with the figure the README shows. The getting-started page shows the same commands."""
+    tour = section((ROOT / "README.md").read_text(), "A 30-second tour")
+    commands = [b for b in code_blocks(tour) if b[0] == "bash"]
+    assert commands, "the README's tour lost its commands"
+    guide = section((ROOT / "docs" / "getting-started.md").read_text(), "A 30-second tour")
+    assert [b[2] for b in code_blocks(guide) if b[0] == "bash"] == [b[2] for b in commands], \
+        "docs/getting-started.md's tour differs from the README's"
+    work = tmp_path / "work"
+    (work / ".venv" / "bin").mkdir(parents=True)
+    fedlt = work / ".venv" / "bin" / "fedlt"
+    fedlt.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fedlt "$@"\n')
+    fedlt.chmod(0o755)
+    env = {**doc_env(tmp_path), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this checkout's fedlt
+    (out,) = run_blocks("README.md#a-30-second-tour", tour, work, env)
+    assert "| fedavg |" in out and "| fedloge |" in out
+    figures = work / "runs" / "cmp" / "report" / "figures"
+    assert list(figures.glob("head_norms_*.png")), f"no head-norm figure in {figures}"
+    assert (ROOT / "docs" / "img" / "tour-head-norms.png").is_file()
+
+
+def test_site_builds_strict(tmp_path):
+    """``mkdocs build --strict`` of mkdocs.yml succeeds, with one reference page per built-in method (its
+    parameters and defaults from its Params), every name of ``fedlt.__all__`` in the API reference, and every
+    page of docs/ in the navigation; the same site with one broken link planted fails."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    import dataclasses
+
+    import fedlt
+
+    def build(root: Path, out: Path):
+        env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
+                               str(root / "mkdocs.yml"), "--site-dir", str(out)],
+                              env=env, capture_output=True, text=True, timeout=300)
+
+    site = tmp_path / "site"
+    r = build(ROOT, site)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name, cls in fedlt.METHODS.items():
+        if fedlt.METHODS.origin(name) != "built-in":
+            continue
+        page = (site / "methods" / name / "index.html").read_text()
+        for f in dataclasses.fields(cls.Params):
+            assert f"<code>{f.name}</code>" in page, f"methods/{name}: parameter {f.name} missing"
+    api = (site / "api" / "index.html").read_text()
+    missing = [n for n in fedlt.__all__ if f'id="fedlt.{n}"' not in api]
+    assert not missing, f"the API reference lacks {missing}"
+    pages = {p.relative_to(ROOT / "docs").with_suffix("").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert all((site / p / "index.html").is_file() or p == "index" for p in pages)
+
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "mkdocs.yml").write_text((ROOT / "mkdocs.yml").read_text())
+    (planted / "src").symlink_to(ROOT / "src")
+    shutil.copytree(ROOT / "docs", planted / "docs")
+    with open(planted / "docs" / "running.md", "a") as f:
+        f.write("\nSee [the missing page](no-such-page.md).\n")
+    r = build(planted, tmp_path / "planted-site")
+    assert r.returncode != 0 and "no-such-page.md" in r.stdout + r.stderr
 
 
 def test_reproduce_page_runs(tmp_path):

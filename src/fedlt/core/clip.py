@@ -9,7 +9,7 @@ width], ``ln_pre``, ``transformer.resblocks.{i}.{ln_1, attn.in_proj_weight/bias,
 mlp.c_proj}``, ``ln_post``, ``proj`` [width, embed]; a ``visual.`` prefix (the whole model's state dict) is
 stripped and every other key ignored. Heads = width // 64 (OpenAI's rule), at least 1.
 
-Getting the files (on a machine with the ``clip`` package and internet access; see the README)::
+Getting the files (on a machine with the ``clip`` package and internet access; see docs/methods-guide.md)::
 
     import clip, torch
     from safetensors.torch import save_file

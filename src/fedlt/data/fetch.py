@@ -274,6 +274,6 @@ def presence(data_dir: str | None = None) -> list[Presence]:
             if any((d / m).exists() for m in MARKERS.get(name, [])):
                 where = str(d)
                 break
-        how = f"fedlt data fetch {name}" if name in SOURCES else f"by hand: {BY_HAND.get(name, 'see the README')}"
+        how = f"fedlt data fetch {name}" if name in SOURCES else f"by hand: {BY_HAND.get(name, 'see docs/datasets.md')}"
         out.append(Presence(name, where, how, [c for c in caches if c.startswith(name + "-")]))
     return out

@@ -1,7 +1,7 @@
 """Which training samples each client holds: a long-tailed subset split by a partition, or a partition file.
 
 The index space is the dataset's training split in the order fedlt loads it (documented per dataset in
-``fedlt list`` / the README: CIFAR's batches in order, the idx files' order, the lines of ImageNet-LT's
+``fedlt list`` / docs/datasets.md: CIFAR's batches in order, the idx files' order, the lines of ImageNet-LT's
 ``ImageNet_LT_train.txt``, FEMNIST's users in file order then their samples, ...). A run writes the indices
 it used into ``partition.json``, which is itself a partition file: ``--partition-file runs/X/partition.json``
 re-creates the same clients anywhere. The format::

@@ -6,7 +6,7 @@ server-side classifier re-training, guided on both sides by a frozen CLIP.
 **This method needs pretrained CLIP files that fedlt cannot download**: ``clip_weights``, a safetensors file
 with a CLIP ViT image tower in OpenAI's layout, and ``text_embeddings``, a safetensors file whose tensor
 ``text`` [C, e] holds one CLIP text embedding per class (e.g. of "a photo of a {class name}"). How to make them:
-``fedlt.core.clip`` and the README. Both are read as plain tensors (no code runs from a file).
+``fedlt.core.clip`` and docs/methods-guide.md. Both are read as plain tensors (no code runs from a file).
 
 Client k (CReFF's client, ``fedlt.methods.creff``, with a different local loss):
 1. per-class head gradients of real features under the received model and the re-trained head, uploaded;
@@ -78,7 +78,7 @@ class CLIP2FL(CReFF):
         p = self.p
         if not p.clip_weights or not p.text_embeddings:
             raise ConfigError("clip2fl needs pretrained CLIP files: --set clip_weights=PATH --set "
-                              "text_embeddings=PATH (safetensors; the README says how to make them)")
+                              "text_embeddings=PATH (safetensors; docs/methods-guide.md says how to make them)")
         if p.alpha < 0 or not p.T > 0 or p.contrast_alpha < 0 or not p.ins_temp > 0:
             raise ConfigError("clip2fl: need alpha >= 0, T > 0, contrast_alpha >= 0, ins_temp > 0")
         self.text = load_text_embeddings(p.text_embeddings, spec.num_classes, spec.device)
