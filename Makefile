@@ -38,10 +38,10 @@ test: $(BIN)/.installed-$(TEST_EXTRAS)
 # built into site/, failing on any warning (a broken link, a page missing from the navigation); or served with
 # live reload on http://127.0.0.1:8000.
 docs: $(BIN)/.installed-$(DOCS_EXTRAS)
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 docs-serve: $(BIN)/.installed-$(DOCS_EXTRAS)
-	$(BIN)/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
 	rm -rf $(VENV) runs build site src/*.egg-info
