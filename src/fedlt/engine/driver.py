@@ -253,7 +253,10 @@ class Driver:
             bar.close()
         for i, phase in enumerate(self.method.phases):
             self.log(self.run_phase(phase, i))
-        final = self.evaluate("final")
+        if not self.method.phases and self.history and "eval" in self.history[-1]:
+            final = self.history[-1]["eval"]  # nothing changed since: no second evaluation (no client messages)
+        else:
+            final = self.evaluate("final")
         self.log({"final": final})
         return final
 
