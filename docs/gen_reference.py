@@ -67,6 +67,15 @@ def on_files(files, config):
     return files
 
 
+ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc):<code>(~?)([\w.]+)</code>")
+
+
+def on_page_content(html, page, config, files):
+    """Docstrings cross-reference in Sphinx's roles (``:class:`~fedlt.errors.Diverged```), which mkdocstrings
+    prints as they are: shown as code, ``~`` keeping the last name only, as Sphinx would."""
+    return ROLE.sub(lambda m: f"<code>{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}</code>", html)
+
+
 # ------------------------------------------------------------------------------------------------ methods
 def _doc(cls) -> str:
     return inspect.cleandoc(sys.modules[cls.__module__].__doc__ or cls.__doc__ or "")
