@@ -182,65 +182,117 @@ def _sgd(P, grads, M, settings, lrs=None) -> None:
             torch._foreach_add_(ps, torch._foreach_mul(gs, -lrs[i]))
 
 
-def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = None) -> list[Trained]:
-    """Train one chunk of clients together. With ``graphs`` (static mode, see ``engine.graphs``) the stacks keep
-    their size and storage: clients without a batch stay in them (their rows are not read again) and only the loss
-    sums are masked to the clients that stepped."""
-    _check(jobs)
-    spec, net = method.spec, method.net
-    ref = jobs[0].steps
-    K = len(jobs)
-    dev = torch.device(spec.device)
-    static = graphs is not None
-    net.train()
-    frozen = frozen_net(method)
-    param_names = [n for n, _ in net.named_parameters()]
-    buffer_names = [n for n in net.state_dict() if n not in set(param_names)]
-    groups = groups_of(ref, param_names, ref.extra)
-    train_model = [n for n in param_names if n in groups]
-    train_extra = [n for n in ref.extra if n in groups]
-    fixed_model = [n for n in param_names if n not in groups]
-    const_extra = [n for n in ref.extra if n not in groups]
+class ClientStacks:
+    """A chunk's clients as stacked tensors, client axis first: the trained tensors ``P`` (model parameters and
+    trained extras), buffers ``B``, SGD momentum ``M``, and the fixed tensors ``F`` (model) and ``C`` (extras),
+    each unbatched (one tensor, dim None) when every client shares the object, else stacked (dim 0). Copies:
+    the jobs' tensors stay as they were. Rows leave the stacks as clients finish (:meth:`keep`), except in
+    static mode, where the stacks keep their size and storage (:meth:`bind`)."""
 
-    def source(name: str, j: Job) -> torch.Tensor:
-        return j.steps.extra[name] if name in ref.extra else j.steps.weights[name]
+    def __init__(self, method: Method, jobs: list[Job]):
+        net, ref = method.net, jobs[0].steps
+        self.jobs, self.ref, self.order = jobs, ref, list(net.state_dict())
+        param_names = [n for n, _ in net.named_parameters()]
+        buffer_names = [n for n in self.order if n not in set(param_names)]
+        groups = groups_of(ref, param_names, ref.extra)
+        self.train_model = [n for n in param_names if n in groups]
+        self.train_extra = [n for n in ref.extra if n in groups]
+        self.P = self._stacked(self.train_model + self.train_extra)
+        self.B = self._stacked(buffer_names)
+        self.F, self.f_dims = self._shared_or_stacked([n for n in param_names if n not in groups])
+        self.C, self.c_dims = self._shared_or_stacked([n for n in ref.extra if n not in groups])
+        self.settings = by_setting(groups, method.spec)
+        self.M = {n: torch.zeros_like(self.P[n]) for (_, mom, _), names in self.settings.items() if mom != 0
+                  for n in names}
+        self.had = {n: [n in j.steps.momentum for j in jobs] for n in self.M}  # momentum carried in, per client
+        for n in self.M:
+            for k, j in enumerate(jobs):
+                if self.had[n][k]:
+                    self.M[n][k] = j.steps.momentum[n].detach()
 
-    def stacked(names):  # one tensor per name, client axis first (a copy: the jobs' tensors stay as they were)
-        return {n: torch.stack([source(n, j).detach() for j in jobs]) for n in names}
+    def _source(self, name: str, j: Job) -> torch.Tensor:
+        return j.steps.extra[name] if name in self.ref.extra else j.steps.weights[name]
 
-    def shared_or_stacked(names):  # tensors every client shares (one object) go in once, unbatched
+    def _stacked(self, names):
+        return {n: torch.stack([self._source(n, j).detach() for j in self.jobs]) for n in names}
+
+    def _shared_or_stacked(self, names):
         vals, dims = {}, {}
         for n in names:
-            per = [source(n, j) for j in jobs]
+            per = [self._source(n, j) for j in self.jobs]
             vals[n], dims[n] = (per[0].detach(), None) if _same(per) else (torch.stack([v.detach() for v in per]), 0)
         return vals, dims
 
-    P = stacked(train_model + train_extra)
-    B = stacked(buffer_names)
-    F_, f_dims = shared_or_stacked(fixed_model)
-    C_, c_dims = shared_or_stacked(const_extra)
-    settings = by_setting(groups, spec)
-    M = {n: torch.zeros_like(P[n]) for (_, mom, _), names in settings.items() if mom != 0 for n in names}
-    had = {n: [n in j.steps.momentum for j in jobs] for n in M}
-    for n in M:
-        for k, j in enumerate(jobs):
-            if had[n][k]:
-                M[n][k] = j.steps.momentum[n].detach()
-    if static:  # the chunk's tensors, in storage that the graphs of earlier chunks of this shape read and write
-        lrs = to_device(torch.tensor([lr for lr, _, _ in settings], dtype=torch.float32), dev)  # no sync
+    def bind(self, graphs: StepGraphs, method: Method):
+        """Static mode: the chunk's tensors move into the storage that the graphs of earlier chunks of this shape
+        read and write (``StepGraphs.bind``); returns the binding, whose ``tensors`` the step reads."""
+        spec, ref = method.spec, self.ref
+        lrs = to_device(torch.tensor([lr for lr, _, _ in self.settings], dtype=torch.float32),
+                        torch.device(spec.device))  # no sync
         # unbatched tensors are the jobs' own (the received model, a fixed classifier): keep copies, since later
         # chunks are copied into what is kept
-        T = {"P": P, "B": B, "M": M, "F": {n: t if f_dims[n] == 0 else t.clone() for n, t in F_.items()},
-             "C": {n: t if c_dims[n] == 0 else t.clone() for n, t in C_.items()}, "S": {"lrs": lrs}}
-        shape = (K, ref.loss, spec.precision, tuple((tuple(ns), mom, wd) for (_, mom, wd), ns in settings.items()),
-                 tuple(f_dims.items()), tuple(c_dims.items()),
+        T = {"P": self.P, "B": self.B, "M": self.M,
+             "F": {n: t if self.f_dims[n] == 0 else t.clone() for n, t in self.F.items()},
+             "C": {n: t if self.c_dims[n] == 0 else t.clone() for n, t in self.C.items()}, "S": {"lrs": lrs}}
+        shape = (len(self.jobs), ref.loss, spec.precision,
+                 tuple((tuple(ns), mom, wd) for (_, mom, wd), ns in self.settings.items()),
+                 tuple(self.f_dims.items()), tuple(self.c_dims.items()),
                  tuple((part, n, tuple(t.shape), t.dtype) for part, ts in T.items() for n, t in ts.items()))
         bound = graphs.bind(shape, T)
         T = bound.tensors
-        P, B, M, F_, C_ = T["P"], T["B"], T["M"], T["F"], T["C"]
+        self.P, self.B, self.M, self.F, self.C = T["P"], T["B"], T["M"], T["F"], T["C"]
         if "sums" in T:
             T["sums"]["sums"].zero_()
-    part_names: list[str] = []
+        return bound
+
+    def per_client(self) -> list[dict[str, torch.Tensor]]:
+        """The stacks with a client axis: P, B, M and the stacked ones of F and C."""
+        return [self.P, self.B, self.M, {n: t for n, t in self.F.items() if self.f_dims[n] == 0},
+                {n: t for n, t in self.C.items() if self.c_dims[n] == 0}]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only these rows stay in the stacks (once per client that finishes, not a gather per step)."""
+        for store in (self.P, self.B, self.M):
+            for n in store:
+                store[n] = store[n].index_select(0, rows)
+        for store, dims in ((self.F, self.f_dims), (self.C, self.c_dims)):
+            for n in store:
+                if dims[n] == 0:
+                    store[n] = store[n].index_select(0, rows)
+
+    def rows(self, idx: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Copies of the rows ``idx`` of :meth:`per_client`'s stacks."""
+        return [{n: t[idx] for n, t in store.items()} for store in self.per_client()]
+
+    def put(self, idx: torch.Tensor, tp: dict, bufs: dict, mom: dict) -> None:
+        """Write the rows ``idx`` of P, B and M back."""
+        for store, part in zip((self.P, self.B, self.M), (tp, bufs, mom)):
+            for n, t in part.items():
+                store[n][idx] = t
+
+    def take(self, k: int, pos: int, stepped: bool) -> Trained:
+        """Client ``k``'s final state, out of row ``pos``."""
+        P, B, F = self.P, self.B, self.F
+        weights = {}
+        for n in self.order:
+            if n in P:
+                weights[n] = P[n][pos].clone()
+            elif n in B:
+                weights[n] = B[n][pos].clone()
+            else:
+                weights[n] = F[n].clone() if self.f_dims[n] is None else F[n][pos].clone()
+        extra = {n: (P[n][pos].clone() if n in P else self.jobs[k].steps.extra[n]) for n in self.ref.extra}
+        momentum = {n: self.M[n][pos].clone() for n in self.M if self.had[n][k] or stepped}
+        return Trained(weights, extra, momentum, {})
+
+
+def local_step(method: Method, stacks: ClientStacks, part_names: list[str]):
+    """The pure step: ``step(P, B, F, C, X, Y) -> (grads of P, (loss, [loss, *parts] per client))``,
+    ``vmap(grad(loss o functional_call))`` over the client axis. Reads nothing but its arguments (and the
+    template network's structure); the names of the loss parts go into ``part_names``."""
+    net, spec, ref = method.net, method.spec, stacks.ref
+    frozen = frozen_net(method)
+    train_model, train_extra = stacks.train_model, stacks.train_extra
 
     def loss_of(tp, bufs, fp, cp, x, y):
         tensors = {**fp, **{n: tp[n] for n in train_model}, **bufs}
@@ -251,7 +303,35 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
         part_names[:] = list(parts)
         return total, torch.stack([total, *parts.values()]).detach()
 
-    step = vmap(grad_and_value(loss_of, has_aux=True), in_dims=(0, 0, f_dims, c_dims, 0, 0))
+    return vmap(grad_and_value(loss_of, has_aux=True), in_dims=(0, 0, stacks.f_dims, stacks.c_dims, 0, 0))
+
+
+def size_groups(batches: dict[int, object], slot: dict[int, int], size_of) -> tuple[list[int], list[list[int]]]:
+    """The scheduler of a step: the stack rows of the clients with a batch, grouped by batch size; the largest
+    group (``main``) steps over the whole stack, each other one (an epoch's last, partial batch) on its own."""
+    by_size: dict[tuple, list[int]] = {}
+    for k, b in batches.items():
+        by_size.setdefault(size_of(b), []).append(slot[k])
+    main, *odd = sorted(by_size.values(), key=len, reverse=True)
+    return main, odd
+
+
+def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = None) -> list[Trained]:
+    """Train one chunk of clients together: their :class:`ClientStacks`, the :func:`local_step` and
+    :func:`size_groups` at every step. With ``graphs`` (static mode, see ``engine.graphs``) the stacks keep
+    their size and storage: clients without a batch stay in them (their rows are not read again) and only the
+    loss sums are masked to the clients that stepped."""
+    _check(jobs)
+    spec, ref, K = method.spec, jobs[0].steps, len(jobs)
+    dev = torch.device(spec.device)
+    static = graphs is not None
+    method.net.train()
+    S = ClientStacks(method, jobs)
+    bound = S.bind(graphs, method) if static else None
+    T = bound.tensors if static else {}  # static: the bound tensors, the only ones a (captured) step touches
+    part_names: list[str] = []
+    step = local_step(method, S, part_names)
+    settings = S.settings
 
     def static_step(X, Y, keep) -> None:
         """One step of every row of the stacks; the loss sums only of the rows where ``keep`` is 1. (A row
@@ -268,8 +348,6 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
 
     epochs = spec.local_epochs if ref.epochs is None else ref.epochs
     iters, load, size_of = _loader(jobs, spec.batch_size, epochs)
-    per_client = [P, B, M, {n: t for n, t in F_.items() if f_dims[n] == 0},
-                  {n: t for n, t in C_.items() if c_dims[n] == 0}]  # the stacks with a client axis
     A = list(range(K))  # the clients still training
     slot = {k: k for k in A}  # each one's row in the stacks (static: fixed; else: rows of A's clients)
     sums: torch.Tensor | None = None  # [rows, 1 + parts] loss sums, on the device
@@ -291,57 +369,32 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
             masks[key] = torch.zeros(n, 1, dtype=torch.float64, device=dev).index_fill_(0, on_device(key[1:]), 1)
         return masks[key]
 
-    def finish(k: int, pos: int) -> None:  # a client's final state, out of the stacks
-        weights = {}
-        for n in order:
-            if n in P:
-                weights[n] = P[n][pos].clone()
-            elif n in B:
-                weights[n] = B[n][pos].clone()
-            else:
-                weights[n] = F_[n].clone() if f_dims[n] is None else F_[n][pos].clone()
-        extra = {n: (P[n][pos].clone() if n in P else jobs[k].steps.extra[n]) for n in ref.extra}
-        momentum = {n: M[n][pos].clone() for n in M if had[n][k] or steps[k] > 0}
-        if sums is not None:
-            final_sums[k] = sums[pos].clone()
-        results[k] = Trained(weights, extra, momentum, {})
-
-    order = list(net.state_dict())
-    with _Float32Norms(net, spec.precision != "fp32"):
+    with _Float32Norms(method.net, spec.precision != "fp32"):
         while A:
             batches = {k: b for k in A if (b := next(iters[k], None)) is not None}
             if len(batches) < len(A):  # clients out of batches are done (and, unless static, leave the stacks)
                 for k in A:
                     if k not in batches:
-                        finish(k, slot[k])
+                        results[k] = S.take(k, slot[k], steps[k] > 0)
+                        if sums is not None:
+                            final_sums[k] = sums[slot[k]].clone()
                 A = [k for k in A if k in batches]
                 if not A:
                     break
-                if not static:  # once each, not a gather per step
+                if not static:
                     kept = _to([slot[k] for k in A], dev)
-                    for store in per_client:
-                        for n in store:
-                            store[n] = store[n].index_select(0, kept)
-                    F_.update(per_client[3])
-                    C_.update(per_client[4])
+                    S.keep(kept)
                     sums = None if sums is None else sums.index_select(0, kept)
                     slot = {k: i for i, k in enumerate(A)}
                     index.clear()
                     masks.clear()
-            by_size: dict[tuple, list[int]] = {}
-            for k in A:
-                by_size.setdefault(size_of(batches[k]), []).append(slot[k])
-            main, *odd = sorted(by_size.values(), key=len, reverse=True)
+            main, odd = size_groups(batches, slot, size_of)
             # Clients whose batch has another size (an epoch's last, partial batch): their state is copied out
             # before the main step, which then runs over the whole stack with a main client's batch standing in
             # for theirs; their own step runs on the copies, which are written back over the stand-in's result.
-            copies = []
-            for members in odd:
-                idx = on_device(members)
-                copies.append((members, idx, [{n: t[idx] for n, t in store.items()} for store in per_client]))
+            copies = [(members, (idx := on_device(members)), S.rows(idx)) for members in odd]
             of_row = {slot[k]: batches[k] for k in A}
-            filler = of_row[main[0]]
-            items = [filler] * (K if static else len(A))
+            items = [of_row[main[0]]] * (K if static else len(A))
             for pos in main:
                 items[pos] = of_row[pos]
             X, Y = load(items)
@@ -350,21 +403,19 @@ def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = No
                            mask_of(main, K))
                 sums = T["sums"]["sums"]
             else:
-                grads, (_, vec) = step(P, B, F_, C_, X, Y)
+                grads, (_, vec) = step(S.P, S.B, S.F, S.C, X, Y)
                 with torch.no_grad():
-                    _sgd(P, grads, M, settings)
+                    _sgd(S.P, grads, S.M, settings)
                     vec = vec.double()
                     if odd:
                         vec = vec * mask_of(main, len(A))
                     sums = vec if sums is None else sums + vec
             for members, idx, (tp, bufs, mom, fp, cp) in copies:
                 X, Y = load([of_row[pos] for pos in members])
-                grads, (_, vec) = step(tp, bufs, {**F_, **fp}, {**C_, **cp}, X, Y)
+                grads, (_, vec) = step(tp, bufs, {**S.F, **fp}, {**S.C, **cp}, X, Y)
                 with torch.no_grad():
                     _sgd(tp, grads, mom, settings)
-                    for store, part in zip(per_client[:3], (tp, bufs, mom)):
-                        for n, t in part.items():
-                            store[n][idx] = t
+                    S.put(idx, tp, bufs, mom)
                     sums.index_add_(0, idx, vec.double())
             for k in A:
                 steps[k] += 1

@@ -252,8 +252,9 @@ class FedltStrategy(Strategy):
 
         def say(d):
             ev = d.history[-1].get("eval")
-            self.echo(f"round {d.round}: " + (", ".join(f"{k} {v:.4f}" for k, v in headline(ev).items() if v is not None)
-                                              if ev else f"train loss {d.history[-1]['train_loss']}"))
+            said = (", ".join(f"{k} {v:.4f}" for k, v in headline(ev).items() if v is not None) if ev
+                    else f"train loss {d.history[-1]['train_loss']}")
+            self.echo(f"round {d.round}: {said}")
 
         self.driver.after_round.append(say)
         with run_lock(out) as mine:
