@@ -204,8 +204,8 @@ def test_dry_run_lists_every_run_and_writes_nothing(tmp_path, capsys, monkeypatc
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "nor-here"))
     out = tmp_path / "out"
     assert cli_main(["reproduce", "redgrape-table2", "--methods", "fedavg,redgrape", "--seeds", "0,1",
-                     "--rounds", "0.1", "--out", str(out), "--dry-run"]) == 0
-    text = capsys.readouterr().out
+                     "--rounds", "0.1", "--out", str(out), "--dry-run", "--device", "cuda"]) == 0
+    text = capsys.readouterr().out  # a GPU reproduction is planned on any machine
     assert "36 runs = 2 methods x 9 settings x 2 seeds" in text
     assert sum(line.startswith("new ") for line in text.splitlines()) == 36
     assert "data cifar10: NOT FOUND; fedlt data fetch cifar10" in text

@@ -379,6 +379,12 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
     return result(counts, rep)
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class Reproduced:
     """``fedlt reproduce``: the runs (a :class:`Comparison`, None for a dry run), and per cell of the table our
     number beside the paper's (``rows``: method, setting, metric, ours, ours_std, n, paper, paper_std, diff,
@@ -423,13 +429,16 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
     from .experiments.sweep import plan as plan_runs
 
     echo = echo or _quiet
+    elsewhere = dry_run and device is not None and device.startswith("cuda") and not _has_cuda()
     rep = R.plan_reproduction(table, methods=None if methods is None else _method_list(methods),
                               settings=None if settings is None else _method_list(settings),
                               seeds=None if seeds is None else [int(s) for s in seeds], rounds=rounds, out=out,
-                              device=device, data_dir=data_dir, overrides=dict(overrides or {}),
-                              checkpoint_every=checkpoint_every)
+                              device=None if elsewhere else device, data_dir=data_dir,
+                              overrides=dict(overrides or {}), checkpoint_every=checkpoint_every)
     runs = plan_runs(rep.sweep)
     if dry_run:
+        if elsewhere:  # planning on a laptop what a GPU machine will run
+            echo(f"device {device}: no CUDA device here; the runs are listed as planned, on {device} where one is")
         for line in R.dry_run_lines(rep, runs):
             echo(line)
         return Reproduced(rep, None, None)
