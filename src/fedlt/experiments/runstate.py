@@ -3,8 +3,9 @@ the ``tensorboard`` package is installed), checkpoints, the final state with the
 report plots, and the lock that keeps two processes out of one run directory.
 
 Checkpoints and final states are safetensors files (:mod:`fedlt.safefile`): loading one runs no code, whoever
-made it. A checkpoint holds :meth:`Simulation.state_dict` (round, server state, client states, the method
-instance's state, history, RNG states, CUDA's too when CUDA was in use), the resolved config (a resume with
+made it. A checkpoint holds :meth:`fedlt.engine.driver.Driver.state_dict` (round, server state, the client
+states the engine's transport can see, the method instance's state, history, missing clients, RNG states,
+CUDA's too when CUDA was in use), the resolved config (a resume with
 other settings is refused) and the wall time so far. The newest two are kept: ``checkpoint.safetensors`` and
 ``checkpoint.prev.safetensors``. A new one is written completely (beside them, flushed to disk) before the
 older ones are renamed, so a process killed at any moment, or a newest file found truncated, still leaves a
