@@ -270,20 +270,24 @@ def load(path: str | Path) -> RunResult | Comparison:
 
 # ------------------------------------------------------------------------------------------------ running
 def run(config: RunConfig | Mapping | str | os.PathLike | None = None, /, *, progress: bool = False,
-        echo: Echo | None = None, checkpoint_every: int = 0, resume: bool = False, **settings: Any) -> RunResult:
+        echo: Echo | None = None, checkpoint_every: int | None = None, resume: bool = False,
+        **settings: Any) -> RunResult:
     """Run one experiment (the settings of ``fedlt run``) and return its result.
 
-    ``checkpoint_every`` N > 0 writes a checkpoint every N rounds and ``resume`` continues the run from its
-    last one; both need a ``name`` (so that a second call finds the same run directory). A run that diverges
+    ``checkpoint_every`` N > 0 writes a checkpoint every N rounds (default: after every round, so a run stopped
+    by a scheduler's signal loses at most the round in progress; 0: none) and ``resume`` continues the run
+    from its last one, which needs a ``name`` (so that a second call finds the same run directory). A run that diverges
     (``on_diverge="stop"``, the default) raises :class:`~fedlt.errors.Diverged` (exit status 3 on the command
     line) once its summary says so; :func:`load` of its directory then gives a result with status
     ``diverged``."""
     from . import experiment
 
     cfg = make_config(config, **settings)
-    if (checkpoint_every or resume) and not cfg.name:
-        raise ConfigError("checkpointing and resuming need a run name (--name, name=...), so that a rerun finds "
-                          "the same run directory")
+    if resume and not cfg.name:
+        raise ConfigError("resuming needs a run name (--name, name=...), so that a rerun finds the same run "
+                          "directory")
+    if checkpoint_every is None:
+        from .experiments.preempt import DEFAULT_CHECKPOINT_EVERY as checkpoint_every
     if checkpoint_every < 0:
         raise ConfigError(f"checkpoint-every must be >= 0, got {checkpoint_every}")
     summary = experiment.run(cfg, progress=progress, echo=echo or _quiet, checkpoint_every=checkpoint_every,

@@ -194,6 +194,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     one (``resume``), the divergence check, ``final_state.safetensors`` and ``summary.json`` (with ``extra``),
     written last. The caller holds the run directory's lock."""
     from .experiments.divergence import DivergenceCheck
+    from .experiments.preempt import Preempted, deferred, run_stopped
     from .experiments.runstate import (MetricsLog, head_like, load_checkpoint, remove_checkpoints,
                                        save_checkpoint, save_final_state)
 
@@ -231,8 +232,9 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
 
     def checkpoint(d):
         if checkpoint_every > 0 and (d.round % checkpoint_every == 0 or d.round == cfg.rounds):
-            save_checkpoint(out, d.state_dict(), config, elapsed + time.perf_counter() - t0)
-            saved["round"] = d.round
+            with deferred():  # a signal meanwhile stops the run once both are done
+                save_checkpoint(out, d.state_dict(), config, elapsed + time.perf_counter() - t0)
+                saved["round"] = d.round
 
     check = DivergenceCheck(cfg.method, cfg.lr, cfg.on_diverge, cfg.diverge_factor, echo)
     driver.after_train.append(check)
@@ -248,6 +250,9 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
                 else "")
         raise diverged_error(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, e, check.advice(),
                              kept, **extra) from None
+    except Preempted as e:  # a scheduler's signal: the last completed round's checkpoint is on disk
+        log.close()
+        raise e.stopped(run_stopped(out, cfg.name, len(driver.history) + 1, cfg.rounds, saved["round"]))
     log.close()
     summary = run_summary(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, final, **extra)
     if ck is not None:

@@ -121,8 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_resume_arguments(p) -> None:
     """--checkpoint-every and --resume (``fedlt run`` and the Flower runs)."""
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                   help="write an atomic checkpoint every N rounds (needs --name, so a rerun finds it)")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="write an atomic checkpoint every N rounds (default 1: a run stopped by a signal loses at "
+                        "most the round in progress; 0: none)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out/--name from its last checkpoint (same settings required)")
 

@@ -54,12 +54,16 @@ def _plain(v):
 
 # ------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(run_dir: Path, sim_state: dict, config: dict, elapsed: float) -> None:
-    """Write the new checkpoint in full, then rotate: newest -> previous, new -> newest."""
+    """Write the new checkpoint in full, then rotate: newest -> previous, new -> newest. A scheduler's signal
+    arriving meanwhile takes effect once the checkpoint is in place (:func:`fedlt.experiments.preempt.deferred`)."""
+    from .preempt import deferred
+
     run_dir = Path(run_dir)
-    save_tree(run_dir / NEXT, {"sim": sim_state, "config": config, "elapsed": elapsed}, "checkpoint")
-    if (run_dir / CHECKPOINT).exists():
-        os.replace(run_dir / CHECKPOINT, run_dir / PREVIOUS)
-    os.replace(run_dir / NEXT, run_dir / CHECKPOINT)
+    with deferred():
+        save_tree(run_dir / NEXT, {"sim": sim_state, "config": config, "elapsed": elapsed}, "checkpoint")
+        if (run_dir / CHECKPOINT).exists():
+            os.replace(run_dir / CHECKPOINT, run_dir / PREVIOUS)
+        os.replace(run_dir / NEXT, run_dir / CHECKPOINT)
 
 
 def has_checkpoint(run_dir: Path) -> bool:

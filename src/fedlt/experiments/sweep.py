@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 from ..config import RunConfig, load_config, read_toml
 from ..errors import ConfigError, Diverged
+from .preempt import Preempted, installed
 
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
 SWEEP_KEYS = ("out", "seeds", "checkpoint_every", "base", "settings", "methods")
@@ -261,6 +262,15 @@ def run_plan(runs: list[PlannedRun], checkpoint_every: int = 1, progress: bool =
             echo(f"{_where(i, len(runs), r)}: finished before, skipped")
         else:
             todo.append((i, r))
+    try:
+        return _run_todo(runs, todo, jobs, checkpoint_every, progress, echo, threads, counts)
+    except Preempted as e:  # a scheduler's signal: workers stopped, every unfinished run keeps its checkpoint
+        left = sum(r.status() != "done" for r in runs)
+        raise e.stopped(f"sweep {runs[0].cfg.out} stopped with {left} of {len(runs)} runs unfinished; run the same "
+                        f"command again to skip the finished ones and resume the others from their checkpoints")
+
+
+def _run_todo(runs, todo, jobs, checkpoint_every, progress, echo, threads, counts) -> dict[str, int]:
     if jobs > 1 and len(todo) < jobs:
         echo(f"--jobs {jobs} is more than the {len(todo)} run{'s' * (len(todo) != 1)} to do: running "
              f"{max(len(todo), 1)} at a time")
@@ -437,7 +447,8 @@ def _run_parallel(todo, n, jobs, checkpoint_every, threads, progress, echo, coun
 
 
 def _worker_main(device, tasks, results, checkpoint_every: int, threads: int) -> None:
-    """One worker process: runs from ``tasks`` until a None (or until its parent is gone)."""
+    """One worker process: runs from ``tasks`` until a None (or until its parent is gone). SIGTERM (from the
+    parent, or a scheduler) stops it at once, the run's checkpoints intact (:mod:`fedlt.experiments.preempt`)."""
     import traceback
 
     from ..errors import FedltError
@@ -446,19 +457,20 @@ def _worker_main(device, tasks, results, checkpoint_every: int, threads: int) ->
         os.environ["CUDA_VISIBLE_DEVICES"] = device
     parent = os.getppid()
     try:
-        while os.getppid() == parent:
-            item = tasks.get()
-            if item is None:
-                return
-            i, r = item
-            try:
-                results.put(("ok", i, r, _execute(r, checkpoint_every, threads, progress=False)))
-            except FedltError as e:
-                results.put(("error", i, r, {"cls": type(e), "message": str(e)}))
-                return
-            except Exception:  # noqa: BLE001 -- a bug: the parent prints it and stops the sweep
-                results.put(("crash", i, r, {"traceback": traceback.format_exc()}))
-                return
+        with installed():
+            while os.getppid() == parent:
+                item = tasks.get()
+                if item is None:
+                    return
+                i, r = item
+                try:
+                    results.put(("ok", i, r, _execute(r, checkpoint_every, threads, progress=False)))
+                except FedltError as e:
+                    results.put(("error", i, r, {"cls": type(e), "message": str(e)}))
+                    return
+                except Exception:  # noqa: BLE001 -- a bug: the parent prints it and stops the sweep
+                    results.put(("crash", i, r, {"traceback": traceback.format_exc()}))
+                    return
     except KeyboardInterrupt:
         return
 
