@@ -319,45 +319,53 @@ def test_a_diverging_flower_run_stops_with_exit_3_like_the_simulation(tmp_path, 
 
 
 # ------------------------------------------------------------------------------------------- resume
-class Killed(Exception):
-    """Stands for the process being killed."""
+# the child's rounds are slowed down, not changed, so that the signal lands mid-run whatever the machine's load
+SLOW_ROUNDS = ("import time\nimport fedlt.engine.driver as D\norig = D.Driver.train_round\n"
+               "def slow(self):\n    time.sleep(0.3)\n    return orig(self)\nD.Driver.train_round = slow\n")
 
 
-def test_a_killed_flower_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, monkeypatch):
-    """`fedlt flower inprocess --checkpoint-every 1`, killed during round 3 (after the checkpoint of round 2), then
-    `--resume` in a new process-like start (new grid: the SuperNodes' memory is gone): the checkpoint brings back
-    the server state, the history and the clients' personal heads, and the run ends exactly as an uninterrupted
-    one. FedLoGe: its clients' state (phi_k) decides PM."""
+def test_a_stopped_flower_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path):
+    """`fedlt flower inprocess` (a checkpoint after every round by default) stopped by SIGTERM in its own process
+    after round r, then `--resume` in a new process (the SuperNodes' memory is gone with it): the checkpoint
+    brings back the server state, the history and the clients' personal heads, and the run ends exactly as an
+    uninterrupted one. FedLoGe: its clients' state (phi_k) decides PM."""
     import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
 
     from fedlt.cli import main as cli_main
-    from fedlt.engine.driver import Driver
     from fedlt.experiments.runstate import CHECKPOINT
 
     args = ["flower", "inprocess", "--method", "fedloge", "--set", "sse_steps=200", "--dataset", "digits", "--rho",
-            "10", "--clients", "3", "--alpha", "1", "--rounds", "4", "--eval-every", "1", "--local-epochs", "1",
-            "--threads", "1", "--out", str(tmp_path), "--checkpoint-every", "1"]
+            "10", "--clients", "3", "--alpha", "1", "--rounds", "5", "--eval-every", "1", "--local-epochs", "1",
+            "--threads", "1", "--out", str(tmp_path)]
     assert cli_main([*args, "--name", "whole"]) == 0
-    train_round = Driver.train_round
-
-    def dies_in_round_3(self):
-        if self.round == 2:
-            raise Killed
-        return train_round(self)
-
-    monkeypatch.setattr(Driver, "train_round", dies_in_round_3)
-    with pytest.raises(Killed):
-        cli_main([*args, "--name", "cut"])
-    monkeypatch.setattr(Driver, "train_round", train_round)
+    site = tmp_path / "slow-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_ROUNDS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0",
+           "PYTHONPATH": os.pathsep.join(x for x in (str(site), os.environ.get("PYTHONPATH")) if x)}
+    child = subprocess.Popen([sys.executable, "-m", "fedlt", *args, "--name", "cut"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    metrics, deadline = tmp_path / "cut" / "metrics.jsonl", time.time() + 120
+    while child.poll() is None and time.time() < deadline and \
+            sum('"round"' in x for x in (metrics.read_text().splitlines() if metrics.exists() else [])) < 2:
+        time.sleep(0.02)
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 143 and "stopped by SIGTERM" in err and len(err.splitlines()) == 1, (out, err)
     assert (tmp_path / "cut" / CHECKPOINT).is_file() and not (tmp_path / "cut" / "summary.json").exists()
     assert cli_main([*args, "--name", "cut", "--resume"]) == 0
     want, got = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("whole", "cut"))
-    assert got["resumed_after_round"] == 2 and got["status"] == "finished"
+    assert got["status"] == "finished" and 2 <= got["resumed_after_round"] < 5
     assert got["last3"] == want["last3"]
     strip = lambda ev: {k: v for k, v in ev.items() if k != "eval_time"}  # noqa: E731
     assert strip(got["final"]) == strip(want["final"])
     recs = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in recs if "round" in r] == [1, 2, 3, 4]  # none lost, none twice
+    assert [r["round"] for r in recs if "round" in r] == [1, 2, 3, 4, 5]  # none lost, none twice
     full = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert [strip(r["eval"]) for r in recs if "eval" in r] == [strip(r["eval"]) for r in full if "eval" in r]
     assert not (tmp_path / "cut" / CHECKPOINT).exists()  # a finished run keeps no checkpoint

@@ -32,7 +32,7 @@ def _flower_options(p: argparse.ArgumentParser) -> None:
 
 def _flower_kw(args) -> dict:
     return {"round_timeout": args.round_timeout, "wait_timeout": args.wait_timeout,
-            "checkpoint_every": args.checkpoint_every or None, "resume": 1 if args.resume else None}
+            "checkpoint_every": args.checkpoint_every, "resume": 1 if args.resume else None}
 
 
 def _connection_options(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ method parameters are ``params.<name>``; the Flower engine's own settings are ``
   a client that has not answered by then is recorded as missing and the round goes on without it.
 - ``flower.wait-timeout`` (s, default 300): how long the run waits at the start for all its SuperNodes.
 - ``flower.poll-interval`` (s, default 0.5): how often the server asks the SuperLink for replies.
-- ``flower.checkpoint-every`` (default 0: none): a checkpoint of the run every N rounds and after the last.
+- ``flower.checkpoint-every`` (default 1, as ``fedlt run``; 0: none): a checkpoint every N rounds and after the last.
 - ``flower.resume`` (0 or 1): continue the run in the run directory from its last checkpoint.
 """
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any
 
 from ..config import FIELDS, RunConfig, load_config
 from ..errors import ConfigError
+from ..experiments.preempt import DEFAULT_CHECKPOINT_EVERY
 
-FLOWER_DEFAULTS = {"round-timeout": 600.0, "wait-timeout": 300.0, "poll-interval": 0.5, "checkpoint-every": 0.0,
-                   "resume": 0.0}
+FLOWER_DEFAULTS = {"round-timeout": 600.0, "wait-timeout": 300.0, "poll-interval": 0.5,
+                   "checkpoint-every": float(DEFAULT_CHECKPOINT_EVERY), "resume": 0.0}
 
 
 def to_run_config(cfg: RunConfig, **flower: Any) -> dict[str, Any]:
