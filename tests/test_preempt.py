@@ -19,22 +19,13 @@ from fedlt.experiments import report as R
 from fedlt.experiments.runstate import load_checkpoint
 from fedlt.experiments.sweep import load_sweep, plan, run_plan
 
+from slowsite import slow_env
+
 RUN = ["--dataset", "digits", "--clients", "4", "--alpha", "1.0", "--rounds", "6", "--eval-every", "1",
        "--local-epochs", "1", "--batch-size", "16", "--model", "mlp", "--threads", "1", "--no-progress"]
-# the children's rounds (the sweep's workers' too: every process started with this sitecustomize on its path) are
-# slowed down, not changed, so that the signal lands mid-run whatever the machine's load
-SLOW = ("import time\nimport fedlt.engine.simulation as S\norig = S.Simulation.train_round\n"
-        "def slow(self):\n    time.sleep(0.3)\n    return orig(self)\nS.Simulation.train_round = slow\n")
-
-
 def _child(argv, tmp_path):
-    site = tmp_path / "slow-site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(SLOW)
-    path = os.pathsep.join(x for x in (str(site), os.environ.get("PYTHONPATH")) if x)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0", "PYTHONPATH": path}
     return subprocess.Popen([sys.executable, "-m", "fedlt", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+                            text=True, env=slow_env(tmp_path), start_new_session=True)
 
 
 def _rounds_logged(path) -> int:

@@ -304,7 +304,7 @@ def _method_list(methods: str | Iterable[str]) -> list[str]:
 def compare(methods: str | Iterable[str], config: RunConfig | Mapping | str | os.PathLike | None = None, /, *,
             seeds: Iterable[int] | None = None, method_params: Mapping[str, Mapping] | None = None,
             checkpoint_every: int = 1, jobs: int | None = None, progress: bool = False, report: bool = True,
-            metric: str = "last3", echo: Echo | None = None, **settings: Any) -> Comparison:
+            metric: str = "last3", echo: Echo | None = None, backend=None, **settings: Any) -> Comparison:
     """Several methods on one setting, every method on the very same partition and client-sampling stream, for
     each seed (``seeds``, default: the ``seed`` setting). ``params`` (a setting) applies to every method,
     ``method_params={"fedprox": {"mu": 0.1}}`` to one. Runs go to ``<out>/<name>`` (default
@@ -319,12 +319,12 @@ def compare(methods: str | Iterable[str], config: RunConfig | Mapping | str | os
     seeds = [base.seed] if seeds is None else [int(s) for s in seeds]
     sweep_ = compare_sweep(base, names, seeds, out, {k: dict(v) for k, v in (method_params or {}).items()},
                            checkpoint_every)
-    return run_sweep(sweep_, jobs=jobs, progress=progress, report=report, metric=metric, echo=echo)
+    return run_sweep(sweep_, jobs=jobs, progress=progress, report=report, metric=metric, echo=echo, backend=backend)
 
 
 def sweep(file: str | os.PathLike | Mapping, /, *, out: str | None = None, checkpoint_every: int | None = None,
           jobs: int | None = None, threads: int | None = None, progress: bool = False, report: bool = True,
-          metric: str = "last3", dry_run: bool = False, echo: Echo | None = None) -> Comparison:
+          metric: str = "last3", dry_run: bool = False, echo: Echo | None = None, backend=None) -> Comparison:
     """A grid of methods x settings x seeds: a sweep file (TOML, the format of :mod:`fedlt.experiments.sweep`)
     or the same as a dict. Resumable: finished runs are skipped, killed ones continue from their checkpoint."""
     from .experiments.sweep import load_sweep, parse_sweep
@@ -334,13 +334,15 @@ def sweep(file: str | os.PathLike | Mapping, /, *, out: str | None = None, check
     else:
         sw = load_sweep(file, out)
     return run_sweep(sw, checkpoint_every=checkpoint_every, jobs=jobs, threads=threads, progress=progress,
-                     report=report, metric=metric, dry_run=dry_run, echo=echo)
+                     report=report, metric=metric, dry_run=dry_run, echo=echo, backend=backend)
 
 
 def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = None, threads: int | None = None,
               progress: bool = False, report: bool = True, metric: str = "last3", dry_run: bool = False,
-              echo: Echo | None = None) -> Comparison:
-    """Run a parsed :class:`fedlt.experiments.sweep.Sweep` (what :func:`compare` and :func:`sweep` share)."""
+              echo: Echo | None = None, backend=None) -> Comparison:
+    """Run a parsed :class:`fedlt.experiments.sweep.Sweep` (what :func:`compare` and :func:`sweep` share).
+    ``backend``: None or ``"local"`` (this machine), ``"ray"`` or a
+    :class:`fedlt.experiments.ray_backend.RayBackend` (each run a Ray task, docs/cluster.md)."""
     from .experiments.report import write_report
     from .experiments.sweep import plan, run_plan
 
@@ -352,6 +354,7 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
     if metric not in WHICH:
         raise ConfigError(f"unknown metric {metric!r}; choose last3 or final")
     parallel = {}
+    as_backend(backend)  # a bad backend fails before anything runs
     if jobs is not None and jobs != 1:
         if not isinstance(jobs, int) or jobs < 1:
             raise ConfigError(f"jobs must be an integer >= 1, got {jobs!r}")
@@ -368,7 +371,8 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
         return result()
     echo(f"{len(runs)} runs ({len(sw.methods)} methods x {len(sw.settings)} settings x {len(sw.seeds)} seeds) "
          f"in {sw.out}")
-    counts = run_plan(runs, checkpoint_every=every, progress=progress, echo=echo, threads=threads, **parallel)
+    counts = run_plan(runs, checkpoint_every=every, progress=progress, echo=echo, threads=threads,
+                      backend=as_backend(backend), **parallel)
     echo(f"{counts['started']} started, {counts['resumed']} resumed from a checkpoint, "
          f"{counts['skipped']} finished before" +
          (f", {counts['elsewhere']} finished by another process" if counts.get("elsewhere") else "") +
@@ -421,7 +425,7 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
               rounds: float | int | None = None, jobs: int | None = None, device: str | None = None,
               data_dir: str | None = None, out: str | None = None, overrides: Mapping[str, Any] | None = None,
               threads: int | None = None, checkpoint_every: int = 1, figures: bool = True, progress: bool = False,
-              dry_run: bool = False, echo: Echo | None = None) -> Reproduced:
+              dry_run: bool = False, echo: Echo | None = None, backend=None) -> Reproduced:
     """Run a seed paper's published table (``fedlt reproduce --list`` names them) as a sweep and write a report
     of our numbers beside the paper's (:mod:`fedlt.experiments.reproduce`). ``methods``/``settings``: a part of
     the table (default all of it); ``seeds`` default 0, 1, 2; ``rounds``: R rounds per run, or a fraction < 1
@@ -448,7 +452,7 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
         return Reproduced(rep, None, None)
     R.check_data(runs)
     cmp = run_sweep(rep.sweep, jobs=jobs, threads=threads, progress=progress, report=False,
-                    metric=rep.table.metric, echo=echo)
+                    metric=rep.table.metric, echo=echo, backend=backend)
     with run_lock(rep.out / "report", wait=True):  # two reproductions on one folder: one report writer at a time
         report(rep.out, metric=rep.table.metric, figures=figures, echo=_quiet)
         path = R.write(rep, echo=echo)
@@ -496,3 +500,16 @@ def list_methods(method_file: str | os.PathLike | None = None) -> list[MethodInf
         out.append(MethodInfo(name, doc[0] if doc else "", bool(cls.generic), bool(cls.personalized), params,
                               METHODS.origin(name), bool(cls.describes_steps())))
     return out
+
+
+def as_backend(backend):
+    """None (this machine) or a RayBackend, from what the functions above accept."""
+    from .experiments.ray_backend import RayBackend
+
+    if backend in (None, "local"):
+        return None
+    if backend == "ray":
+        return RayBackend()
+    if isinstance(backend, RayBackend):
+        return backend
+    raise ConfigError(f"unknown backend {backend!r}; choose 'local', 'ray' or a RayBackend(address=...)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from .run import add_config_arguments
-from .sweep import add_sweep_arguments
+from .sweep import add_sweep_arguments, backend_from_args
 
 NAME = "compare"
 HELP = "run several methods on one setting (same partition, same sampled clients) and tabulate GM / PM"
@@ -47,5 +47,5 @@ def main(args: argparse.Namespace) -> int:
     every = 1 if args.checkpoint_every is None else args.checkpoint_every
     res = compare(methods, base, seeds=seeds, method_params=per_method, checkpoint_every=every,
                   jobs=getattr(args, "jobs", None), progress=not args.no_progress, report=not args.no_report,
-                  metric=args.metric, echo=print)
+                  metric=args.metric, echo=print, backend=backend_from_args(args))
     return res.exit_status

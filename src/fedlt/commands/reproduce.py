@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from .sweep import add_backend_arguments, backend_from_args
+
 NAME = "reproduce"
 HELP = "run a paper's published table (FedLoGe, RedGrape, FedDr+, BalanceFL) and report ours beside theirs"
 ORDER = 35
@@ -28,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rounds between checkpoints, for resuming after a kill (default 1; 0: none)")
     p.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
                    help="runs at a time, each in its own process (as `fedlt sweep --jobs`)")
+    add_backend_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-figures", action="store_true", help="tables only in the report")
 
@@ -60,5 +63,5 @@ def main(args: argparse.Namespace) -> int:
                     seeds=_ints(args.seeds, "--seeds"), rounds=args.rounds, jobs=args.jobs, device=args.device,
                     data_dir=args.data_dir, out=args.out, overrides=parse_set(args.override, "--override"),
                     threads=args.threads, checkpoint_every=args.checkpoint_every, figures=not args.no_figures,
-                    progress=not args.no_progress, dry_run=args.dry_run, echo=print)
+                    progress=not args.no_progress, dry_run=args.dry_run, echo=print, backend=backend_from_args(args))
     return res.exit_status

@@ -238,7 +238,8 @@ def check_finished(run: PlannedRun) -> None:
 
 
 def run_plan(runs: list[PlannedRun], checkpoint_every: int = 1, progress: bool = True,
-             echo: Callable[[str], None] = print, threads: int | None = None, jobs: int = 1) -> dict[str, int]:
+             echo: Callable[[str], None] = print, threads: int | None = None, jobs: int = 1,
+             backend=None) -> dict[str, int]:
     """Run every planned run not finished yet: one after the other in this process (``jobs`` 1), or ``jobs``
     at a time, each in a worker process of its own. Returns how many runs were skipped (finished before),
     resumed from a checkpoint, started afresh, finished by another process meanwhile, and how many of those
@@ -247,11 +248,19 @@ def run_plan(runs: list[PlannedRun], checkpoint_every: int = 1, progress: bool =
     Every run is done under its lock (:func:`fedlt.experiments.runstate.run_lock`), so two sweeps on one
     folder (or the workers of one) never work on the same run: a run locked by another process is left
     for the end, then waited for, and run here only if that process stopped before finishing it. A run that
-    diverges is recorded (its summary says so) and the sweep carries on."""
+    diverges is recorded (its summary says so) and the sweep carries on. ``backend``: a
+    :class:`fedlt.experiments.ray_backend.RayBackend` runs each run as a Ray task instead."""
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
+    if backend is not None and jobs > 1:
+        raise ConfigError("--jobs does not apply with --backend ray (the cluster runs as many runs at once as its "
+                          "resources allow: see --cpus-per-run, --gpus-per-run)")
+    if backend is not None:
+        from .ray_backend import require_ray
+
+        require_ray()  # before anything is written
     write_manifest(runs)
     counts = {"skipped": 0, "resumed": 0, "started": 0, "elsewhere": 0, "diverged": 0}
     todo = []
@@ -263,20 +272,25 @@ def run_plan(runs: list[PlannedRun], checkpoint_every: int = 1, progress: bool =
         else:
             todo.append((i, r))
     try:
-        return _run_todo(runs, todo, jobs, checkpoint_every, progress, echo, threads, counts)
+        return _run_todo(runs, todo, jobs, checkpoint_every, progress, echo, threads, counts, backend)
     except Preempted as e:  # a scheduler's signal: workers stopped, every unfinished run keeps its checkpoint
         left = sum(r.status() != "done" for r in runs)
         raise e.stopped(f"sweep {runs[0].cfg.out} stopped with {left} of {len(runs)} runs unfinished; run the same "
                         f"command again to skip the finished ones and resume the others from their checkpoints")
 
 
-def _run_todo(runs, todo, jobs, checkpoint_every, progress, echo, threads, counts) -> dict[str, int]:
-    if jobs > 1 and len(todo) < jobs:
-        echo(f"--jobs {jobs} is more than the {len(todo)} run{'s' * (len(todo) != 1)} to do: running "
-             f"{max(len(todo), 1)} at a time")
-        jobs = max(len(todo), 1)
-    busy = (_run_parallel(todo, len(runs), jobs, checkpoint_every, threads, progress, echo, counts) if jobs > 1
-            else _run_here(todo, len(runs), checkpoint_every, threads, progress, echo, counts, wait=False))
+def _run_todo(runs, todo, jobs, checkpoint_every, progress, echo, threads, counts, backend) -> dict[str, int]:
+    if backend is not None:
+        from .ray_backend import run_on_ray
+
+        busy = run_on_ray(backend, todo, len(runs), checkpoint_every, threads, progress, echo, counts) if todo else []
+    else:
+        if jobs > 1 and len(todo) < jobs:
+            echo(f"--jobs {jobs} is more than the {len(todo)} run{'s' * (len(todo) != 1)} to do: running "
+                 f"{max(len(todo), 1)} at a time")
+            jobs = max(len(todo), 1)
+        busy = (_run_parallel(todo, len(runs), jobs, checkpoint_every, threads, progress, echo, counts) if jobs > 1
+                else _run_here(todo, len(runs), checkpoint_every, threads, progress, echo, counts, wait=False))
     if busy:
         echo(f"waiting for {len(busy)} run{'s' * (len(busy) != 1)} held by another fedlt process")
         _run_here(busy, len(runs), checkpoint_every, threads, progress, echo, counts, wait=True)

@@ -1,0 +1,159 @@
+"""`fedlt sweep --backend ray` on a real two-node Ray cluster on this machine (``ray start --head`` and a second
+``ray start --address`` with its own temporary folder and resources, every address 127.0.0.1): the table equals a
+sequential sweep's, also when the worker node's raylet is killed (``kill -9``) mid-way, its runs then retried on
+the head from their checkpoints. Without Ray installed, ``--backend ray`` is a one-line error."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedlt.cli import main as cli_main
+from fedlt.experiments import report as R
+from fedlt.experiments.sweep import load_sweep, plan, run_plan
+
+from slowsite import slow_env
+
+GRID = """
+seeds = [0, 1]
+[base]
+dataset = "digits"
+imbalance_ratio = 10
+clients = 4
+alpha = 1.0
+rounds = 5
+eval_every = 1
+local_epochs = 1
+batch_size = 16
+model = "mlp"
+[methods]
+fedavg = {}
+fedprox = { params = { mu = 0.01 } }
+"""
+QUIET = dict(progress=False, echo=lambda *a: None, threads=1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray(args, env, timeout=120):
+    ray = Path(sys.executable).with_name("ray")
+    return subprocess.run([str(ray), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _raylet_pid(temp_dir: Path) -> int:
+    """The raylet whose session lives under ``temp_dir`` (found by its command line, killed by its pid)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmd and cmd[0].endswith(b"raylet") and any(str(temp_dir).encode() in c for c in cmd):
+                return int(proc.name)
+    raise AssertionError(f"no raylet under {temp_dir}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Head: 1 CPU; worker node: 2 CPUs and a resource of its own. A run asks for 1 CPU, so three run at once,
+    two of them on the worker node. Every child process (Ray's workers too) has slower rounds."""
+    pytest.importorskip("ray")
+    tmp = tmp_path_factory.mktemp("ray")
+    env = {**slow_env(tmp, 0.4), "RAY_USAGE_STATS_ENABLED": "0"}
+    port = _free_port()
+    common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(80 * 2**20), "--disable-usage-stats"]
+    try:
+        head = _ray(["start", "--head", "--port", str(port), "--num-cpus", "1", "--include-dashboard", "false",
+                     "--temp-dir", str(tmp / "head"), *common], env)
+        assert head.returncode == 0, head.stdout + head.stderr
+        work = _ray(["start", "--address", f"127.0.0.1:{port}", "--num-cpus", "2", "--resources",
+                     '{"fedlt_test_worker": 2}', "--temp-dir", str(tmp / "worker"), *common], env)
+        assert work.returncode == 0, work.stdout + work.stderr
+        deadline = time.time() + 60
+        while time.time() < deadline and "2.0 fedlt_test_worker" not in _ray(
+                ["status", "--address", f"127.0.0.1:{port}"], env, 60).stdout.replace("0.0/", ""):
+            time.sleep(1)
+        yield {"address": f"127.0.0.1:{port}", "env": env, "worker_dir": tmp / "worker", "tmp": tmp}
+    finally:
+        _ray(["stop", "--force"], env, 120)
+
+
+def _sweep(toml, out, cluster):
+    return subprocess.Popen([sys.executable, "-m", "fedlt", "sweep", str(toml), "--out", str(out), "--backend", "ray",
+                             "--ray-address", cluster["address"], "--threads", "1", "--no-report", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster["env"])
+
+
+def _table(out) -> str:
+    return (R.write_report(out, echo=lambda *a: None, figures=False) / "table.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("seq")
+    toml = tmp / "grid.toml"
+    toml.write_text(GRID)
+    run_plan(plan(load_sweep(toml, str(tmp / "seq"))), **QUIET)
+    return toml, _table(tmp / "seq")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_sweep_on_a_two_node_ray_cluster_gives_the_sequential_table(cluster, reference, tmp_path):
+    toml, want = reference
+    p = _sweep(toml, tmp_path / "ray", cluster)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, out
+    assert re.search(r"running 4 runs as Ray tasks on 3 CPUs \(2 nodes\)", out), out
+    assert len(re.findall(r"^\[\d/4\] .*: done in ", out, re.M)) == 4, out
+    assert "4 started, 0 resumed from a checkpoint, 0 finished before" in out
+    assert _table(tmp_path / "ray") == want
+    p = _sweep(toml, tmp_path / "ray", cluster)  # started again: every run finished, skipped
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0 and "0 started, 0 resumed from a checkpoint, 4 finished before" in out, out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_killing_the_worker_node_mid_sweep_retries_its_runs_from_their_checkpoints(cluster, reference, tmp_path):
+    toml, want = reference
+    runs = plan(load_sweep(toml, str(tmp_path / "ray")))
+    p = _sweep(toml, tmp_path / "ray", cluster)
+    deadline = time.time() + 240  # three runs under way at once: two of them are on the worker node
+    while time.time() < deadline and p.poll() is None and sum(r.status() == "partial" for r in runs) < 3:
+        time.sleep(0.05)
+    assert p.poll() is None, p.communicate()[0]
+    os.kill(_raylet_pid(cluster["worker_dir"]), signal.SIGKILL)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, out
+    resumed = [json.loads((r.dir / "summary.json").read_text()).get("resumed_after_round") for r in runs]
+    assert sum(x is not None for x in resumed) >= 2, (resumed, out)  # the dead node's runs, from their checkpoints
+    for r in runs:  # every round logged once
+        recs = [json.loads(x) for x in (r.dir / "metrics.jsonl").read_text().splitlines()]
+        assert [x["round"] for x in recs if "round" in x] == list(range(1, 6))
+    assert _table(tmp_path / "ray") == want
+
+
+def test_backend_ray_without_ray_installed_is_one_line_saying_what_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as where it is not installed
+    toml = tmp_path / "grid.toml"
+    toml.write_text(GRID)
+    assert cli_main(["sweep", str(toml), "--out", str(tmp_path / "o"), "--backend", "ray"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("fedlt: error: --backend ray needs Ray, which is not installed; install it with: "
+                   "pip install 'fedlt[ray]'\n")
+    assert not (tmp_path / "o").exists()
+    assert cli_main(["run", "--dataset", "digits", "--clients", "4", "--rounds", "1", "--model", "mlp",
+                     "--out", str(tmp_path / "r"), "--no-progress", "--threads", "1"]) == 0  # fedlt run needs none
