@@ -4,6 +4,7 @@
     fedlt flower supernode --superlink 127.0.0.1:9093 --partition-id 0 --insecure
     fedlt flower run --superlink 127.0.0.1:9093 --insecure --method fedloge --clients 2 ...
     fedlt flower inprocess --method fedloge ...            # the same apps in one process (no network)
+    fedlt flower simulate --method fedloge --clients 1000 --gpus-per-client 0.1 ...   # Flower's Ray simulation
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 from .run import add_config_arguments, add_resume_arguments, config_from_args
 
 NAME = "flower"
-HELP = "run a method on Flower: superlink, supernode, app, run (flwr run), inprocess"
+HELP = "run a method on Flower: superlink, supernode, app, run (flwr run), inprocess, simulate"
 ORDER = 60
 
 
@@ -90,6 +91,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i = sub.add_parser("inprocess", help="run the Flower ServerApp and ClientApps in this process (no network)")
     add_config_arguments(i)
     _flower_options(i)
+
+    m = sub.add_parser("simulate", help="run the Flower ServerApp and ClientApps on Flower's simulation runtime "
+                                        "(Ray: the clients spread over every CPU and GPU of a node or cluster)")
+    add_config_arguments(m)
+    _flower_options(m)
+    g = m.add_argument_group("simulation (pip install 'fedlt[simulation]')")
+    g.add_argument("--cpus-per-client", type=float, default=1.0, metavar="N",
+                   help="CPUs each virtual client asks Ray for (default 1): CPUs / N clients train at once")
+    g.add_argument("--gpus-per-client", type=float, default=0.0, metavar="F",
+                   help="GPUs each virtual client asks Ray for (default 0; 0.25: four clients share a GPU)")
+    g.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (auto, HOST:PORT) instead of "
+                                                         "starting one on this machine")
+    g.add_argument("--backend-config", metavar="JSON",
+                   help="Flower's backend config, merged over the above: {\"init_args\": {...ray.init...}, "
+                        "\"client_resources\": {...}, \"actor\": {...}}")
 
 
 def _exec(argv: list[str], env: dict) -> int:
@@ -165,6 +181,12 @@ def main(args: argparse.Namespace) -> int:
             return _flwr_run(argv, env, follow=not args.no_stream)
         finally:
             shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)
+    if cmd == "simulate":
+        from ..flower.simulation import backend_config_of, run_simulation
+
+        backend = backend_config_of(args.cpus_per_client, args.gpus_per_client, args.ray_address, args.backend_config)
+        run_simulation(cfg, backend, **{k: v for k, v in _flower_kw(args).items() if v is not None})
+        return 0
     if cmd == "inprocess":
         from ..flower.inprocess import run_inprocess
 
