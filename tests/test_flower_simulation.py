@@ -53,3 +53,43 @@ def test_bad_backend_config_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--backend-config is not JSON" in err, err
     assert not any(tmp_path.iterdir())
+
+
+class Killed(Exception):
+    """Stands for the process being killed."""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_flower_simulation_resumes_through_the_run_driver(tmp_path, monkeypatch):
+    """`fedlt flower simulate --resume` continues a run from its checkpoint (the run driver's, as every engine's):
+    a FedAvg run stopped after round 1 in one process, resumed on the simulation runtime, ends with the records
+    of an uninterrupted run. (FedAvg keeps no client state; a stateful method's clients would restart afresh on
+    Ray's virtual SuperNodes, whose memory a checkpoint cannot reach.)"""
+    pytest.importorskip("ray")
+    pytest.importorskip("flwr")
+    from fedlt.engine.driver import Driver
+
+    run = [*RUN, "--method", "fedavg", "--rounds", "3", "--out", str(tmp_path)]
+    assert cli_main(["flower", "inprocess", *run, "--name", "whole"]) == 0
+    train_round = Driver.train_round
+
+    def stops_in_round_2(self):
+        if self.round == 1:
+            raise Killed
+        return train_round(self)
+
+    monkeypatch.setattr(Driver, "train_round", stops_in_round_2)
+    with pytest.raises(Killed):
+        cli_main(["flower", "inprocess", *run, "--name", "cut"])
+    monkeypatch.setattr(Driver, "train_round", train_round)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    p = subprocess.run([sys.executable, "-m", "fedlt", "flower", "simulate", *run, "--name", "cut", "--resume",
+                        "--cpus-per-client", "1", "--backend-config",
+                        '{"init_args": {"num_cpus": 2, "object_store_memory": 83886080}}'],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    a, b = tmp_path / "whole", tmp_path / "cut"
+    assert _records(b) == _records(a)
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    assert sb["resumed_after_round"] == 1 and sb["last3"] == sa["last3"]
