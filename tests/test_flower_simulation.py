@@ -27,6 +27,19 @@ def _records(d):
     return [_no_time(json.loads(x)) for x in (d / "metrics.jsonl").read_text().splitlines()]
 
 
+def _simulated_like(want, args) -> tuple[dict, dict]:
+    """`fedlt flower simulate ARGS` (two Ray CPUs) in a child process; its records must be those of the run
+    directory ``want``. Returns both summaries (want's, the simulation's)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    p = subprocess.run([sys.executable, "-m", "fedlt", "flower", "simulate", *args, "--cpus-per-client", "1",
+                        "--backend-config", '{"init_args": {"num_cpus": 2, "object_store_memory": 83886080}}'],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    got = want.parent / args[args.index("--name") + 1]
+    assert _records(got) == _records(want)
+    return tuple(json.loads((d / "summary.json").read_text()) for d in (want, got))
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_flower_simulation_equals_the_inprocess_flower_run(tmp_path, capsys):
@@ -34,15 +47,7 @@ def test_flower_simulation_equals_the_inprocess_flower_run(tmp_path, capsys):
     pytest.importorskip("flwr")
     assert cli_main(["flower", "inprocess", *RUN, "--out", str(tmp_path), "--name", "inprocess"]) == 0
     capsys.readouterr()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    p = subprocess.run([sys.executable, "-m", "fedlt", "flower", "simulate", *RUN, "--out", str(tmp_path), "--name",
-                        "sim", "--cpus-per-client", "1", "--backend-config",
-                        '{"init_args": {"num_cpus": 2, "object_store_memory": 83886080}}'],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    a, b = tmp_path / "inprocess", tmp_path / "sim"
-    assert _records(b) == _records(a)
-    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    sa, sb = _simulated_like(tmp_path / "inprocess", [*RUN, "--out", str(tmp_path), "--name", "sim"])
     assert sb["last3"] == sa["last3"] and _no_time(sb["final"]) == _no_time(sa["final"])
     assert sb["missing"] == sa["missing"]
 
@@ -83,13 +88,5 @@ def test_flower_simulation_resumes_through_the_run_driver(tmp_path, monkeypatch)
     with pytest.raises(Killed):
         cli_main(["flower", "inprocess", *run, "--name", "cut"])
     monkeypatch.setattr(Driver, "train_round", train_round)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    p = subprocess.run([sys.executable, "-m", "fedlt", "flower", "simulate", *run, "--name", "cut", "--resume",
-                        "--cpus-per-client", "1", "--backend-config",
-                        '{"init_args": {"num_cpus": 2, "object_store_memory": 83886080}}'],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    a, b = tmp_path / "whole", tmp_path / "cut"
-    assert _records(b) == _records(a)
-    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    sa, sb = _simulated_like(tmp_path / "whole", [*run, "--name", "cut", "--resume"])
     assert sb["resumed_after_round"] == 1 and sb["last3"] == sa["last3"]
