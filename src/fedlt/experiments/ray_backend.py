@@ -41,6 +41,17 @@ class RayBackend:
         if self.cpus_per_run == 0 and not self.gpus_per_run:
             raise ConfigError("--cpus-per-run 0 with no --gpus-per-run asks Ray for nothing; give at least one")
 
+    # What a sweep calls (it knows a backend only by these two methods, so it never imports this module, which
+    # builds on it: no import circle).
+    def check(self) -> None:
+        """A one-line ConfigError now, before anything is written, if Ray is not installed."""
+        require_ray()
+
+    def run(self, todo, n: int, checkpoint_every: int, threads: int | None, progress: bool, echo,
+            counts: dict) -> list:
+        """:func:`run_on_ray` with this backend."""
+        return run_on_ray(self, todo, n, checkpoint_every, threads, progress, echo, counts)
+
 
 def backend_of(name: str | None, address: str | None = None, cpus_per_run: float | None = None,
                gpus_per_run: float | None = None) -> RayBackend | None:

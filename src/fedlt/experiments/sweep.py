@@ -258,9 +258,7 @@ def run_plan(runs: list[PlannedRun], checkpoint_every: int = 1, progress: bool =
         raise ConfigError("--jobs does not apply with --backend ray (the cluster runs as many runs at once as its "
                           "resources allow: see --cpus-per-run, --gpus-per-run)")
     if backend is not None:
-        from .ray_backend import require_ray
-
-        require_ray()  # before anything is written
+        backend.check()  # before anything is written
     write_manifest(runs)
     counts = {"skipped": 0, "resumed": 0, "started": 0, "elsewhere": 0, "diverged": 0}
     todo = []
@@ -281,9 +279,7 @@ def run_plan(runs: list[PlannedRun], checkpoint_every: int = 1, progress: bool =
 
 def _run_todo(runs, todo, jobs, checkpoint_every, progress, echo, threads, counts, backend) -> dict[str, int]:
     if backend is not None:
-        from .ray_backend import run_on_ray
-
-        busy = run_on_ray(backend, todo, len(runs), checkpoint_every, threads, progress, echo, counts) if todo else []
+        busy = backend.run(todo, len(runs), checkpoint_every, threads, progress, echo, counts) if todo else []
     else:
         if jobs > 1 and len(todo) < jobs:
             echo(f"--jobs {jobs} is more than the {len(todo)} run{'s' * (len(todo) != 1)} to do: running "
