@@ -354,7 +354,8 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
     if metric not in WHICH:
         raise ConfigError(f"unknown metric {metric!r}; choose last3 or final")
     parallel = {}
-    as_backend(backend)  # a bad backend fails before anything runs
+    if (be := as_backend(backend)) is not None:
+        be.check(jobs)  # a bad backend fails before anything runs or is printed
     if jobs is not None and jobs != 1:
         if not isinstance(jobs, int) or jobs < 1:
             raise ConfigError(f"jobs must be an integer >= 1, got {jobs!r}")

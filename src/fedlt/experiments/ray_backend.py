@@ -43,8 +43,11 @@ class RayBackend:
 
     # What a sweep calls (it knows a backend only by these two methods, so it never imports this module, which
     # builds on it: no import circle).
-    def check(self) -> None:
-        """A one-line ConfigError now, before anything is written, if Ray is not installed."""
+    def check(self, jobs: int | None = None) -> None:
+        """A one-line ConfigError now, before anything is written, if Ray is not installed or --jobs is given."""
+        if jobs not in (None, 1):
+            raise ConfigError("--jobs does not apply with --backend ray (the cluster runs as many runs at once as "
+                              "its resources allow: see --cpus-per-run, --gpus-per-run)")
         require_ray()
 
     def run(self, todo, n: int, checkpoint_every: int, threads: int | None, progress: bool, echo,

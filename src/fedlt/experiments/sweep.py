@@ -254,11 +254,8 @@ def run_plan(runs: list[PlannedRun], checkpoint_every: int = 1, progress: bool =
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
-    if backend is not None and jobs > 1:
-        raise ConfigError("--jobs does not apply with --backend ray (the cluster runs as many runs at once as its "
-                          "resources allow: see --cpus-per-run, --gpus-per-run)")
     if backend is not None:
-        backend.check()  # before anything is written
+        backend.check(jobs)  # before anything is written
     write_manifest(runs)
     counts = {"skipped": 0, "resumed": 0, "started": 0, "elsewhere": 0, "diverged": 0}
     todo = []
