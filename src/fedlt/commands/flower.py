@@ -182,10 +182,16 @@ def main(args: argparse.Namespace) -> int:
         finally:
             shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)
     if cmd == "simulate":
+        from ..experiments.preempt import Preempted
         from ..flower.simulation import backend_config_of, run_simulation
 
         backend = backend_config_of(args.cpus_per_client, args.gpus_per_client, args.ray_address, args.backend_config)
-        run_simulation(cfg, backend, **{k: v for k, v in _flower_kw(args).items() if v is not None})
+        try:
+            run_simulation(cfg, backend, **{k: v for k, v in _flower_kw(args).items() if v is not None})
+        except Preempted as e:  # Flower's ServerApp thread is no daemon: it would hold the process for a round timeout
+            sys.stderr.write(e.line() + "\n")
+            sys.stderr.flush()
+            os._exit(e.exit_status)
         return 0
     if cmd == "inprocess":
         from ..flower.inprocess import run_inprocess

@@ -51,10 +51,11 @@ class Preempted(KeyboardInterrupt):
         return f"fedlt: stopped by {self.name}" + (f": {self.where}" if self.where else "")
 
 
-_state = {"deferring": 0, "pending": None}
+_state = {"deferring": 0, "pending": None, "installed": 0, "last": None}
 
 
 def _handler(signum, _frame) -> None:
+    _state["last"] = signum
     if _state["deferring"]:
         _state["pending"] = signum
         return
@@ -69,11 +70,30 @@ def installed() -> Iterator[None]:
         yield
         return
     old = {s: signal.signal(s, _handler) for s in SIGNALS}
+    _state["installed"] += 1
+    _state["last"] = None
     try:
         yield
     finally:
+        _state["installed"] -= 1
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def as_preempted(e: KeyboardInterrupt) -> KeyboardInterrupt:
+    """``e``, or the :class:`Preempted` it stands for: Ray's wait turns the exception our handler raised into a
+    plain KeyboardInterrupt."""
+    if isinstance(e, Preempted) or _state["last"] is None:
+        return e
+    return Preempted(_state["last"])
+
+
+def retake() -> None:
+    """Handle :data:`SIGNALS` again after a library replaced the handlers (``ray.init`` installs handlers that
+    abort the process on SIGTERM); nothing outside :func:`installed`."""
+    if _state["installed"] and threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, _handler)
 
 
 @contextlib.contextmanager

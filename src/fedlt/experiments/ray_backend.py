@@ -97,6 +97,7 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
     ``sweep._run_parallel``. Returns the runs another process held (the caller waits for them)."""
     from tqdm.auto import tqdm
 
+    from .preempt import as_preempted, retake
     from .sweep import _count, _where
 
     ray = require_ray()
@@ -111,6 +112,7 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
         except ConnectionError as e:
             raise ConfigError(f"cannot reach the Ray cluster at {backend.address}: {e}; start it (`ray start "
                               f"--head`) or give its address with --ray-address") from None
+        retake()  # ray.init's SIGTERM handler aborts the process; ours stops the sweep as a local one
     try:
         total = ray.cluster_resources()
         echo(f"running {len(todo)} runs as Ray tasks on {int(total.get('CPU', 0))} CPUs"
@@ -143,6 +145,8 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
                         if bar is not None:
                             bar.update(1)
                     say(f"{_where(i, n, r)}: {res['line']}")
+        except KeyboardInterrupt as e:
+            raise as_preempted(e) from None
         finally:
             for ref in pending:  # stopped (a signal, an error): the tasks end; their runs keep their checkpoints
                 ray.cancel(ref, force=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..experiment import run_dir_for
+from ..experiments.preempt import Preempted, retake
 
 INSTALL = "pip install 'fedlt[simulation]'"
 POLL = 0.01  # s between the server's looks for replies: in one process these are cheap (a SuperLink's default: 0.5)
@@ -74,10 +75,32 @@ def run_simulation(cfg: RunConfig, backend_config: dict | None = None, **flower)
         context.run_config.update(run_config)
         server_main(grid, context)
 
-    flwr_run_simulation(server_app=app, client_app=client_app, num_supernodes=cfg.clients,
-                        backend_config=backend_config or backend_config_of())
+    backend_config = backend_config or backend_config_of()
     out = run_dir_for(cfg)
+    _init_ray(backend_config.get("init_args", {}))
+    try:
+        flwr_run_simulation(server_app=app, client_app=client_app, num_supernodes=cfg.clients,
+                            backend_config=backend_config)
+    except Preempted as e:  # the checkpoint of the last completed round is in the run directory
+        raise e.stopped(f"run {out} stopped; its last completed round is checkpointed there: to finish it, run "
+                        f"the same command with --resume")
     try:
         return json.loads((Path(out) / "summary.json").read_text())
     except (OSError, ValueError):
         raise ConfigError(f"the simulation ended without a summary in {out}; see Flower's log above") from None
+
+
+def _init_ray(init_args: dict) -> None:
+    """Start (or join) Ray as Flower's runtime would (its ``init_ray`` then finds it running), and take the
+    scheduler's signals back from it: ray.init's own SIGTERM handler aborts the process, ours stops the run with
+    one line and its checkpoint kept (:mod:`fedlt.experiments.preempt`)."""
+    import os
+    import sys
+
+    import ray
+
+    if not ray.is_initialized():
+        path = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
+        os.environ["PYTHONPATH"] = path  # the actors import fedlt as this process does
+        ray.init(runtime_env={"env_vars": {"PYTHONPATH": path}}, **{"include_dashboard": False, **init_args})
+    retake()
