@@ -31,3 +31,24 @@ def slow_env(tmp_path, seconds: float = 0.3) -> dict:
     (site / "sitecustomize.py").write_text(SITE.replace("SECONDS", repr(float(seconds))))
     path = os.pathsep.join(x for x in (str(site), os.environ.get("PYTHONPATH")) if x)
     return {**os.environ, "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0", "PYTHONPATH": path}
+
+
+def sweep_grid(seeds: list[int]) -> str:
+    """A 4-client digits sweep of FedAvg and FedProx, 5 rounds evaluated each round: small enough to run in
+    seconds, long enough (with ``slow_env``) for a signal or a kill to land between two checkpoints."""
+    return f"""
+seeds = {seeds}
+[base]
+dataset = "digits"
+imbalance_ratio = 10
+clients = 4
+alpha = 1.0
+rounds = 5
+eval_every = 1
+local_epochs = 1
+batch_size = 16
+model = "mlp"
+[methods]
+fedavg = {{}}
+fedprox = {{ params = {{ mu = 0.01 }} }}
+"""

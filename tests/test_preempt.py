@@ -19,7 +19,7 @@ from fedlt.experiments import report as R
 from fedlt.experiments.runstate import load_checkpoint
 from fedlt.experiments.sweep import load_sweep, plan, run_plan
 
-from slowsite import slow_env
+from slowsite import slow_env, sweep_grid
 
 RUN = ["--dataset", "digits", "--clients", "4", "--alpha", "1.0", "--rounds", "6", "--eval-every", "1",
        "--local-epochs", "1", "--batch-size", "16", "--model", "mlp", "--threads", "1", "--no-progress"]
@@ -87,22 +87,7 @@ def test_a_signal_during_a_checkpoint_write_takes_effect_once_it_is_written():
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the previous handler is back
 
 
-GRID = """
-seeds = [0]
-[base]
-dataset = "digits"
-imbalance_ratio = 10
-clients = 4
-alpha = 1.0
-rounds = 5
-eval_every = 1
-local_epochs = 1
-batch_size = 16
-model = "mlp"
-[methods]
-fedavg = {}
-fedprox = { params = { mu = 0.01 } }
-"""
+GRID = sweep_grid([0])
 
 
 def test_sigterm_to_a_parallel_sweep_stops_its_workers_and_the_sweep_resumes_like_after_kill_9(tmp_path):

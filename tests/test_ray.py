@@ -25,24 +25,9 @@ from fedlt.cli import main as cli_main
 from fedlt.experiments import report as R
 from fedlt.experiments.sweep import load_sweep, plan, run_plan
 
-from slowsite import slow_env
+from slowsite import slow_env, sweep_grid
 
-GRID = """
-seeds = [0, 1]
-[base]
-dataset = "digits"
-imbalance_ratio = 10
-clients = 4
-alpha = 1.0
-rounds = 5
-eval_every = 1
-local_epochs = 1
-batch_size = 16
-model = "mlp"
-[methods]
-fedavg = {}
-fedprox = { params = { mu = 0.01 } }
-"""
+GRID = sweep_grid([0, 1])
 QUIET = dict(progress=False, echo=lambda *a: None, threads=1)
 LOOPBACK = "127.0.0.2"
 

@@ -98,7 +98,7 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
     from tqdm.auto import tqdm
 
     from .preempt import as_preempted, retake
-    from .sweep import _count, _where
+    from .sweep import _settle, _where
 
     ray = require_ray()
     cpus = 1 if backend.cpus_per_run is None else backend.cpus_per_run
@@ -137,14 +137,7 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
                     if "error" in res:
                         cls, message = res["error"]
                         raise cls(message)
-                    res = res["ok"]
-                    if res["kind"] == "busy":
-                        busy.append((i, r))
-                    else:
-                        _count(counts, res)
-                        if bar is not None:
-                            bar.update(1)
-                    say(f"{_where(i, n, r)}: {res['line']}")
+                    _settle(i, n, r, res["ok"], counts, busy, bar, say)
         except KeyboardInterrupt as e:
             raise as_preempted(e) from None
         finally:

@@ -393,6 +393,18 @@ def threads_per_worker(jobs: int, threads: int | None) -> int:
     return max(1, cores // jobs)
 
 
+def _settle(i: int, n: int, r: PlannedRun, res: dict, counts: dict, busy: list, bar, say) -> None:
+    """One run's result from a worker (a process or a Ray task): a run another process held goes to ``busy``
+    (run here once the others are done); any other is counted and ticks the bar; either way one line."""
+    if res["kind"] == "busy":
+        busy.append((i, r))
+    else:
+        _count(counts, res)
+        if bar is not None:
+            bar.update(1)
+    say(f"{_where(i, n, r)}: {res['line']}")
+
+
 def _run_parallel(todo, n, jobs, checkpoint_every, threads, progress, echo, counts) -> list:
     """``jobs`` worker processes (spawned: nothing inherited, CUDA initialised in each) take runs from a queue;
     this process shows an overall bar and one line per finished run. Returns the runs another process held."""
@@ -436,13 +448,7 @@ def _run_parallel(todo, n, jobs, checkpoint_every, threads, progress, echo, coun
                 sys.stderr.write(res["traceback"])
                 raise RuntimeError(f"sweep worker failed on {_where(i, n, r)} (traceback above)")
             left -= 1
-            if res["kind"] == "busy":
-                busy.append((i, r))
-            else:
-                _count(counts, res)
-                if bar is not None:
-                    bar.update(1)
-            say(f"{_where(i, n, r)}: {res['line']}")
+            _settle(i, n, r, res, counts, busy, bar, say)
     finally:
         for p in procs:
             if p.is_alive() and left:
