@@ -112,9 +112,16 @@ def deferred() -> Iterator[None]:
 def run_stopped(out, name: str | None, in_round: int, rounds: int, saved_round: int | None) -> str:
     """What a stopped run says: the round it was in, the checkpointed round and how to finish the run."""
     where = f"in round {in_round} of {rounds}" if in_round <= rounds else "after its last round"
-    again = "the same command with --resume" if name else f"the same command with --name {out.name} --resume"
     if saved_round is None:
-        return (f"run {out} stopped {where} with no checkpoint (--checkpoint-every 0, or "
-                f"before its first); start it again")
-    return (f"run {out} stopped {where}; round {saved_round} is checkpointed there: to "
-            f"finish it, run {again}")
+        return stopped_without_checkpoint(out, where)
+    return f"run {out} stopped {where}; round {saved_round} is checkpointed there: to finish it, run {again(out, name)}"
+
+
+def again(out, name: str | None) -> str:
+    """How to resume a stopped run: the same command with ``--resume``, and the run directory's name where the
+    command gave none (it was named by the time it started)."""
+    return "the same command with --resume" if name else f"the same command with --name {out.name} --resume"
+
+
+def stopped_without_checkpoint(out, where: str) -> str:
+    return f"run {out} stopped {where} with no checkpoint (--checkpoint-every 0, or before its first); start it again"

@@ -19,7 +19,8 @@ from pathlib import Path
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..experiment import run_dir_for
-from ..experiments.preempt import Preempted, retake
+from ..experiments.preempt import Preempted, again, retake, stopped_without_checkpoint
+from ..experiments.runstate import has_checkpoint
 
 INSTALL = "pip install 'fedlt[simulation]'"
 POLL = 0.01  # s between the server's looks for replies: in one process these are cheap (a SuperLink's default: 0.5)
@@ -64,7 +65,8 @@ def run_simulation(cfg: RunConfig, backend_config: dict | None = None, **flower)
     from .server_app import main as server_main
     from .settings import flatten, to_run_config
 
-    if cfg.name is None:  # the run directory is named here, so that its summary can be read back afterwards
+    name = cfg.name  # as given: a run named below is resumed with its name (preempt.again)
+    if name is None:  # the run directory is named here, so that its summary can be read back afterwards
         cfg = RunConfig(**{**cfg.to_dict(), "name": run_dir_for(cfg).name})
     flower = {"poll_interval": POLL, **flower}
     run_config = flatten(to_run_config(cfg, **flower))
@@ -81,9 +83,11 @@ def run_simulation(cfg: RunConfig, backend_config: dict | None = None, **flower)
     try:
         flwr_run_simulation(server_app=app, client_app=client_app, num_supernodes=cfg.clients,
                             backend_config=backend_config)
-    except Preempted as e:  # the checkpoint of the last completed round is in the run directory
+    except Preempted as e:  # the checkpoint of the last completed round, if any, is in the run directory
+        if not has_checkpoint(out):
+            raise e.stopped(stopped_without_checkpoint(out, "mid-run"))
         raise e.stopped(f"run {out} stopped; its last completed round is checkpointed there: to finish it, run "
-                        f"the same command with --resume")
+                        f"{again(out, name)}")
     try:
         return json.loads((Path(out) / "summary.json").read_text())
     except (OSError, ValueError):
