@@ -165,14 +165,11 @@ def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | 
     A run that diverges (:mod:`fedlt.experiments.divergence`) with ``cfg.on_diverge == "stop"`` writes a
     summary with ``status: diverged``, keeps its last good checkpoint and raises
     :class:`~fedlt.errors.Diverged` (exit status 3 on the command line)."""
-    from .experiments.runstate import run_lock, lock_holder
+    from .experiments.runstate import owned_run_dir
 
     pr = prepared or prepare(cfg)
     out = run_dir_for(cfg)
-    with run_lock(out) as mine:
-        if not mine:
-            raise ConfigError(f"run directory {out} is in use by another fedlt process (pid {lock_holder(out)}); "
-                              f"wait for it to finish or choose another --name")
+    with owned_run_dir(out):
         return _run_locked(cfg, pr, out, progress, echo, checkpoint_every, resume, labels)
 
 

@@ -32,8 +32,10 @@ def _flower_options(p: argparse.ArgumentParser) -> None:
 
 
 def _flower_kw(args) -> dict:
-    return {"round_timeout": args.round_timeout, "wait_timeout": args.wait_timeout,
-            "checkpoint_every": args.checkpoint_every, "resume": 1 if args.resume else None}
+    """The Flower engine's settings given on the command line (those not given keep their defaults)."""
+    kw = {"round_timeout": args.round_timeout, "wait_timeout": args.wait_timeout,
+          "checkpoint_every": args.checkpoint_every, "resume": 1 if args.resume else None}
+    return {k: v for k, v in kw.items() if v is not None}
 
 
 def _connection_options(p: argparse.ArgumentParser) -> None:
@@ -187,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
 
         backend = backend_config_of(args.cpus_per_client, args.gpus_per_client, args.ray_address, args.backend_config)
         try:
-            run_simulation(cfg, backend, **{k: v for k, v in _flower_kw(args).items() if v is not None})
+            run_simulation(cfg, backend, **_flower_kw(args))
         except Preempted as e:  # Flower's ServerApp thread is no daemon: it would hold the process for a round timeout
             sys.stderr.write(e.line() + "\n")
             sys.stderr.flush()
@@ -196,6 +198,6 @@ def main(args: argparse.Namespace) -> int:
     if cmd == "inprocess":
         from ..flower.inprocess import run_inprocess
 
-        run_inprocess(cfg, **{k: v for k, v in _flower_kw(args).items() if v is not None})
+        run_inprocess(cfg, **_flower_kw(args))
         return 0
     raise AssertionError(cmd)

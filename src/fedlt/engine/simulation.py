@@ -10,8 +10,8 @@ from ..core.api import Message, Method
 from ..core.training import autocast
 from ..metrics import evaluate
 from .batched import Job, train_batched
-from .driver import (PHASE, SAMPLING, TRAIN, TRAINING, Driver, EngineConfig, client_generator,  # noqa: F401
-                     clients_per_round, is_eval_round, rng_state, sampling_schedule, set_rng_state)
+from .driver import (PHASE, TRAIN, TRAINING, Driver, EngineConfig, client_generator,  # noqa: F401
+                     clients_per_round, rng_state, sampling_schedule)
 from .graphs import StepGraphs
 
 

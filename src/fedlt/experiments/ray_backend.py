@@ -95,10 +95,8 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
                echo, counts: dict) -> list:
     """Run ``todo`` (index, PlannedRun) as Ray tasks; an overall bar and one line per finished run, as
     ``sweep._run_parallel``. Returns the runs another process held (the caller waits for them)."""
-    from tqdm.auto import tqdm
-
     from .preempt import as_preempted, retake
-    from .sweep import _settle, _where
+    from .sweep import _runs_bar, _settle, _where
 
     ray = require_ray()
     cpus = 1 if backend.cpus_per_run is None else backend.cpus_per_run
@@ -122,8 +120,7 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
         remote = ray.remote(_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=RETRIES,
                                            retry_exceptions=False)
         pending = {remote.remote(r, checkpoint_every, each): (i, r) for i, r in todo}
-        bar = tqdm(total=n, initial=n - len(todo), desc="runs", unit="run", dynamic_ncols=True) if progress else None
-        say = bar.write if bar is not None else echo
+        bar, say = _runs_bar(n, todo, progress, echo)
         busy = []
         try:
             while pending:

@@ -54,16 +54,14 @@ def _plain(v):
 
 # ------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(run_dir: Path, sim_state: dict, config: dict, elapsed: float) -> None:
-    """Write the new checkpoint in full, then rotate: newest -> previous, new -> newest. A scheduler's signal
-    arriving meanwhile takes effect once the checkpoint is in place (:func:`fedlt.experiments.preempt.deferred`)."""
-    from .preempt import deferred
-
+    """Write the new checkpoint in full, then rotate: newest -> previous, new -> newest. The caller
+    (:func:`fedlt.experiment.run_recorded`) writes it under :func:`fedlt.experiments.preempt.deferred`, so a
+    scheduler's signal arriving meanwhile takes effect once the checkpoint is in place."""
     run_dir = Path(run_dir)
-    with deferred():
-        save_tree(run_dir / NEXT, {"sim": sim_state, "config": config, "elapsed": elapsed}, "checkpoint")
-        if (run_dir / CHECKPOINT).exists():
-            os.replace(run_dir / CHECKPOINT, run_dir / PREVIOUS)
-        os.replace(run_dir / NEXT, run_dir / CHECKPOINT)
+    save_tree(run_dir / NEXT, {"sim": sim_state, "config": config, "elapsed": elapsed}, "checkpoint")
+    if (run_dir / CHECKPOINT).exists():
+        os.replace(run_dir / CHECKPOINT, run_dir / PREVIOUS)
+    os.replace(run_dir / NEXT, run_dir / CHECKPOINT)
 
 
 def has_checkpoint(run_dir: Path) -> bool:
@@ -190,6 +188,17 @@ def run_lock(run_dir: Path, wait: bool = False) -> Iterator[bool]:
             del _HELD[key]
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def owned_run_dir(run_dir: Path) -> Iterator[None]:
+    """Hold a run directory's lock for a run of any engine, or stop with the one-line error that another
+    process is running it."""
+    with run_lock(run_dir) as mine:
+        if not mine:
+            raise ConfigError(f"run directory {run_dir} is in use by another fedlt process (pid "
+                              f"{lock_holder(run_dir)}); wait for it to finish or choose another --name")
+        yield
 
 
 def lock_holder(run_dir: Path) -> str:

@@ -356,11 +356,7 @@ def _run_here(todo, n, checkpoint_every, threads, progress, echo, counts, wait: 
                 res = _execute(r, checkpoint_every, threads, progress, announce)
         else:
             res = _execute(r, checkpoint_every, threads, progress, announce)
-        if res["kind"] == "busy":
-            busy.append((i, r))
-        else:
-            _count(counts, res)
-        echo(f"{where}: {res['line']}")
+        _settle(i, n, r, res, counts, busy, None, echo)
     return busy
 
 
@@ -393,6 +389,15 @@ def threads_per_worker(jobs: int, threads: int | None) -> int:
     return max(1, cores // jobs)
 
 
+def _runs_bar(n: int, todo: list, progress: bool, echo):
+    """The overall bar of a sweep whose runs finish elsewhere (worker processes, Ray tasks), and how to print a
+    line without breaking it: ``(bar, say)``; no bar without ``progress``."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=n, initial=n - len(todo), desc="runs", unit="run", dynamic_ncols=True) if progress else None
+    return bar, (bar.write if bar is not None else echo)
+
+
 def _settle(i: int, n: int, r: PlannedRun, res: dict, counts: dict, busy: list, bar, say) -> None:
     """One run's result from a worker (a process or a Ray task): a run another process held goes to ``busy``
     (run here once the others are done); any other is counted and ticks the bar; either way one line."""
@@ -412,8 +417,6 @@ def _run_parallel(todo, n, jobs, checkpoint_every, threads, progress, echo, coun
     import queue
     import sys
 
-    from tqdm.auto import tqdm
-
     ctx = mp.get_context("spawn")
     gpus = visible_gpus([r.cfg for _, r in todo])
     devices = worker_devices(jobs, gpus)
@@ -427,8 +430,7 @@ def _run_parallel(todo, n, jobs, checkpoint_every, threads, progress, echo, coun
         tasks.put(None)
     procs = [ctx.Process(target=_worker_main, args=(devices[k], tasks, results, checkpoint_every, each), daemon=True)
              for k in range(jobs)]
-    bar = tqdm(total=n, initial=n - len(todo), desc="runs", unit="run", dynamic_ncols=True) if progress else None
-    say = bar.write if bar is not None else echo
+    bar, say = _runs_bar(n, todo, progress, echo)
     busy, left = [], len(todo)
     try:
         for p in procs:

@@ -74,7 +74,6 @@ class FedltStrategy(Strategy):
     # the run's state is the driver's
     state = property(lambda self: self.driver.state, lambda self, v: setattr(self.driver, "state", v))
     history = property(lambda self: self.driver.history)
-    missing = property(lambda self: self.driver.missing)
     schedule = property(lambda self: self.driver.schedule)
 
     # ------------------------------------------------------------------ messaging
@@ -164,8 +163,7 @@ class FedltStrategy(Strategy):
         self.driver.set_lr(server_round)
         payloads = {cid: self.method.configure(self.state, server_round, cid)
                     for cid in self.schedule[server_round - 1] if cid in self.nodes}
-        return [self._message(p, cid, "train", {"round": server_round, "lr": self.method.spec.lr}, str(server_round))
-                for cid, p in payloads.items()]
+        return list(self.transport.messages(TRAINING, server_round, payloads).values())
 
     def aggregate_train(self, server_round: int, replies: Iterable[FlwrMessage]):
         got = {int(control(r.content)["client-id"]): r.content for r in replies if not r.has_error()}
@@ -237,7 +235,7 @@ class FedltStrategy(Strategy):
         """The whole run by the run driver over ``grid``; writes the run directory (``cfg.out``/``cfg.name``)
         as every engine does (``fedlt.experiment.run_recorded``: checkpoints every ``checkpoint_every``
         rounds, ``resume`` from one) and returns the summary."""
-        from ..experiments.runstate import lock_holder, run_lock
+        from ..experiments.runstate import owned_run_dir
 
         cfg = self.cfg
         out = Path(out) if out is not None else run_dir_for(cfg)
@@ -257,10 +255,7 @@ class FedltStrategy(Strategy):
             self.echo(f"round {d.round}: {said}")
 
         self.driver.after_round.append(say)
-        with run_lock(out) as mine:
-            if not mine:
-                raise ConfigError(f"run directory {out} is in use by another fedlt process (pid {lock_holder(out)}); "
-                                  f"wait for it to finish or choose another --name")
+        with owned_run_dir(out):
             return run_recorded(self.driver, cfg, out, config, self.fed,
                                 [self.info[c]["test_size"] for c in sorted(self.info)], self.echo,
                                 checkpoint_every=checkpoint_every, resume=resume, engine="flower")
@@ -279,12 +274,16 @@ class GridTransport:
         self.st.connect(self.grid, wait=False)  # SuperNodes that (re)appeared since the last round
         return {cid: "no SuperNode for this client" for cid in cids if cid not in self.st.nodes}
 
-    def send_and_receive(self, kind: str, index: int, payloads: dict[int, Message]):
+    def messages(self, kind: str, index: int, payloads: dict[int, Message]) -> dict[int, FlwrMessage]:
+        """One Flower message per client: a round's ``train`` (its round and lr) or a phase's ``train.phase``
+        (its name, index and lr), what the ClientApp's two handlers read."""
         st = self.st
         ctl = {"lr": st.method.spec.lr, **({"round": index} if kind == TRAINING else {"phase": kind, "index": index})}
         mtype, group = ("train", str(index)) if kind == TRAINING else ("train.phase", f"phase-{index}")
-        msgs = {cid: st._message(p, cid, mtype, ctl, group) for cid, p in payloads.items()}
-        got, why = st.exchange(self.grid, msgs, st.round_timeout)
+        return {cid: st._message(p, cid, mtype, ctl, group) for cid, p in payloads.items()}
+
+    def send_and_receive(self, kind: str, index: int, payloads: dict[int, Message]):
+        got, why = self.st.exchange(self.grid, self.messages(kind, index, payloads), self.st.round_timeout)
         return [(cid, from_records(got[cid])) for cid in sorted(got)], why
 
     def evaluate(self, method: Method, state: dict, split: str):
