@@ -18,7 +18,8 @@ from fedlt.config import PRESETS, load_config
 from fedlt.engine import Simulation
 from fedlt.experiments.reproduce import plan_reproduction
 from fedlt.experiments.sweep import plan
-from fedlt.papers import METRICS, presets, tables
+from fedlt.experiments.report import METRICS
+from fedlt.papers import presets, tables
 from fedlt.registry import METHODS
 
 from datafixtures import write_cifar10, write_imagenet_lt

@@ -354,7 +354,8 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
     if metric not in WHICH:
         raise ConfigError(f"unknown metric {metric!r}; choose last3 or final")
     parallel = {}
-    if (be := as_backend(backend)) is not None:
+    be = as_backend(backend)
+    if be is not None:
         be.check(jobs)  # a bad backend fails before anything runs or is printed
     if jobs is not None and jobs != 1:
         if not isinstance(jobs, int) or jobs < 1:
@@ -373,7 +374,7 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
     echo(f"{len(runs)} runs ({len(sw.methods)} methods x {len(sw.settings)} settings x {len(sw.seeds)} seeds) "
          f"in {sw.out}")
     counts = run_plan(runs, checkpoint_every=every, progress=progress, echo=echo, threads=threads,
-                      backend=as_backend(backend), **parallel)
+                      backend=be, **parallel)
     echo(f"{counts['started']} started, {counts['resumed']} resumed from a checkpoint, "
          f"{counts['skipped']} finished before" +
          (f", {counts['elsewhere']} finished by another process" if counts.get("elsewhere") else "") +
@@ -399,12 +400,12 @@ class Reproduced:
     number beside the paper's (``rows``: method, setting, metric, ours, ours_std, n, paper, paper_std, diff,
     status, source; fractions), the rankings per column, and the report written (None for a dry run)."""
 
-    def __init__(self, plan, runs: Comparison | None, report_path: Path | None):
+    def __init__(self, plan, runs: Comparison | None, report_path: Path | None, rows: list[dict] | None = None):
         from .experiments import reproduce as R
 
         self.plan, self.runs, self.report_path = plan, runs, report_path
         self.table = plan.table
-        self.rows = R.compare_rows(plan) if runs is not None else []
+        self.rows = rows or []
         self.rankings = R.rankings(self.rows)
 
     @property
@@ -456,9 +457,10 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
                     metric=rep.table.metric, echo=echo, backend=backend)
     with run_lock(rep.out / "report", wait=True):  # two reproductions on one folder: one report writer at a time
         report(rep.out, metric=rep.table.metric, figures=figures, echo=_quiet)
-        path = R.write(rep, echo=echo)
+        rows = R.compare_rows(rep)
+        path = R.write(rep, rows, echo=echo)
     cmp.report_dir = path.parent
-    return Reproduced(rep, cmp, path)
+    return Reproduced(rep, cmp, path, rows)
 
 
 def report(path: str | os.PathLike, /, *, out: str | os.PathLike | None = None, metric: str = "last3",

@@ -26,7 +26,7 @@ def _ints(text: str, what: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"{what} expects comma-separated integers, got {text!r}") from None
+        raise ConfigError(f"{what} expects comma-separated integers (e.g. 0,1,2), got {text!r}") from None
 
 
 def main(args: argparse.Namespace) -> int:

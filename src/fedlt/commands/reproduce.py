@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from .compare import _ints
 from .sweep import add_backend_arguments, backend_from_args
 
 NAME = "reproduce"
@@ -35,19 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-figures", action="store_true", help="tables only in the report")
 
 
-def _ints(text: str, what: str) -> list[int]:
-    from ..errors import ConfigError
-
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{what} expects comma-separated integers (e.g. 0,1,2), got {text!r}") from None
-
-
-def _names(text: str | None) -> list[str] | None:
-    return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
-
-
 def main(args: argparse.Namespace) -> int:
     from ..api import reproduce
     from ..errors import ConfigError
@@ -59,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if not args.table:
         raise ConfigError("reproduce needs a TABLE (e.g. fedloge-table1) or --list")
-    res = reproduce(args.table, methods=_names(args.methods), settings=_names(args.settings),
+    res = reproduce(args.table, methods=args.methods, settings=args.settings,
                     seeds=_ints(args.seeds, "--seeds"), rounds=args.rounds, jobs=args.jobs, device=args.device,
                     data_dir=args.data_dir, out=args.out, overrides=parse_set(args.override, "--override"),
                     threads=args.threads, checkpoint_every=args.checkpoint_every, figures=not args.no_figures,

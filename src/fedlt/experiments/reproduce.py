@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 from ..errors import ConfigError, DataError
 from ..papers import Table, tables
+from ..engine.driver import clients_per_round
+from .report import METRIC_TEXT
 from .sweep import DATA_FIELDS, LABEL, Sweep
 
 # training-set sizes for the size estimate of `--list` (no data is read): classes and n_max of the long-tail
@@ -219,7 +221,7 @@ def size_of(t: Table, settings: list[str] | None = None) -> dict[str, dict]:
             n = _SIZES[cfg.dataset][0] * _SIZES[cfg.dataset][1]
         else:
             n = _TOTALS.get(cfg.dataset, 0)
-        per_round = cfg.participation * cfg.clients if cfg.participation <= 1 else cfg.participation
+        per_round = clients_per_round(cfg.clients, cfg.participation)
         share = per_round / cfg.clients
         out[s] = {"dataset": cfg.dataset, "model": cfg.model, "rounds": cfg.rounds, "clients": cfg.clients,
                   "per_round": per_round, "epochs": cfg.local_epochs, "samples": n,
@@ -343,14 +345,13 @@ def heading(rep: Reproduction, which: str) -> list[str]:
     if rep.overrides:
         lines += ["**Settings replaced for every run** (`--override`, not the paper's protocol): " +
                   ", ".join(f"{k}={v}" for k, v in rep.overrides.items()) + ".", ""]
-    metric = {"final": "the final evaluation (after any post-training phase)",
-              "last3": "the mean of the last 3 evaluated rounds"}[which]
+    metric = METRIC_TEXT[which]
     lines += [f"Ours: {metric}, mean ± std over seeds {rep.seeds} (in %; std only with 2 or more finished seeds). "
               f"Paper: the published number (± its std where given). Diff: ours − paper, in points.", ""]
     if t.note:
         lines += [f"Note: {t.note}", ""]
     if rep.missing:
-        lines += [f"Missing from fedlt (paper's numbers only): " +
+        lines += ["Missing from fedlt (paper's numbers only): " +
                   "; ".join(f"{m} ({t.methods[m].missing})" for m in rep.missing) + ".", ""]
     return lines
 
@@ -400,10 +401,10 @@ def csv_rows(rows: list[Row]) -> str:
     return buf.getvalue()
 
 
-def write(rep: Reproduction, which: str | None = None, echo: Callable[[str], None] = print) -> Path:
-    """``<out>/report/reproduction.md`` and ``.csv``; prints the Markdown. Returns the .md path."""
+def write(rep: Reproduction, rows: list[dict], which: str | None = None, echo: Callable[[str], None] = print) -> Path:
+    """``<out>/report/reproduction.md`` and ``.csv`` of ``rows`` (:func:`compare_rows` for ``which``); prints the
+    Markdown. Returns the .md path."""
     which = which or rep.table.metric
-    rows = compare_rows(rep, which)
     d = rep.out / "report"
     d.mkdir(parents=True, exist_ok=True)
     md = markdown(rep, rows, which)

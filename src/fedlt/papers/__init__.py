@@ -27,7 +27,6 @@ from functools import lru_cache
 from importlib import resources
 
 PAPERS = ("fedloge", "redgrape", "feddr", "balancefl")
-METRICS = ("GM", "many", "medium", "few", "PM")  # the metric names of fedlt's reports
 UNITS = {"fraction": 1.0, "percent": 0.01}
 
 
