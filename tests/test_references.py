@@ -23,10 +23,12 @@ MD_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 
 
 def files(root: Path) -> list[Path]:
+    """The repository's files that may cite others (not what a build or an install leaves: caches, egg-info
+    with a copy of an older README)."""
     out = [root / n for n in TOP if (root / n).is_file()]
     for d in SCANNED:
         out += sorted(p for p in (root / d).rglob("*") if p.is_file() and p.suffix in SUFFIXES
-                      and "__pycache__" not in p.parts)
+                      and not any(part == "__pycache__" or part.endswith(".egg-info") for part in p.parts))
     return out
 
 
