@@ -175,7 +175,7 @@ def test_ratio_loss_weights_follow_the_ratio_of_monitor_gradients():
 
 def test_ratio_loss_auxiliary_set_is_balanced_and_avoids_client_samples(small):
     from fedlt.data.longtail import longtail_indices
-    from fedlt.methods.ratioloss import auxiliary_set
+    from fedlt.core.auxiliary import auxiliary_set
 
     sim, gm = learn(small, "ratioloss", lr=0.01)  # weights up to ~10x the loss: the official lr is small too
     assert gm["acc"] > 0.3

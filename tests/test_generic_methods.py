@@ -10,13 +10,14 @@ from conftest import run_small, small_config
 from fedlt.core import Message, RunSpec
 from fedlt.core.etf import fixed_classifier
 from fedlt.core.server_opt import momentum_direction
+from fedlt.core.training import effective_steps
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.errors import ConfigError
 from fedlt.experiment import federation_for, prepare
 from fedlt.methods.fedadam import FedAdam
 from fedlt.methods.fedexp import FedExP
 from fedlt.methods.fedntd import ntd_loss, ntd_term
-from fedlt.methods.scaffold import C_UP, Scaffold, effective_steps
+from fedlt.methods.scaffold import C_UP, Scaffold
 from fedlt.methods.spherefed import SphereFed
 
 SPEC = RunSpec(model="smallcnn", in_shape=(1, 8, 8), num_classes=10, seed=0)

@@ -167,3 +167,65 @@ def test_an_init_reexport_closes_a_circle(tmp_path):
     lines = cycle_report(_package(tmp_path, files)).splitlines()
     assert lines == ["import circle: pkg (line 1) -> pkg.core (line 1) -> pkg.util (line 1) -> pkg",
                      "import circle: pkg.p (line 1) -> pkg.q (line 1) -> pkg.p"]
+
+
+# ------------------------------------------------------------------------------ methods stand on core
+def registered_classes(path: Path) -> set[str]:
+    """The classes of a method file that register a method (decorated ``@METHODS.register(...)``)."""
+    out = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.ClassDef) and any(
+                isinstance(d, ast.Call) and ast.unparse(d.func).endswith("METHODS.register") for d in node.decorator_list):
+            out.add(node.name)
+    return out
+
+
+def foreign_helpers(methods: Path, package: str = "fedlt.methods") -> list[str]:
+    """Where a method file takes from another method file anything but a registered method class (the class it
+    builds on, as its paper does): a helper function, a constant, an unregistered base class, the module itself.
+    Such a piece belongs in a core module. One line per import, with its file and line."""
+    files = {p.stem: p for p in methods.glob("*.py") if p.stem != "__init__"}
+    bad = []
+    for stem, path in sorted(files.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                sibling = (node.module or "") if node.level == 1 else \
+                    (node.module or "").removeprefix(package + ".") if node.level == 0 else None
+                if node.level == 1 and not node.module or node.level == 0 and node.module == package:
+                    mods = [a.name for a in node.names if a.name in files]  # `from . import fedprox`
+                    bad += [f"{path.name}:{node.lineno}: imports the method module {m}" for m in mods]
+                    continue
+                if sibling not in files or sibling == stem:
+                    continue
+                ok = registered_classes(files[sibling])
+                bad += [f"{path.name}:{node.lineno}: imports {a.name} from {sibling}.py, which is not a registered "
+                        f"method class" for a in node.names if a.name not in ok]
+            elif isinstance(node, ast.Import):
+                bad += [f"{path.name}:{node.lineno}: imports the method module {a.name}" for a in node.names
+                        if a.name.startswith(package + ".") and a.name.rpartition(".")[2] in files]
+    return bad
+
+
+def test_no_method_imports_another_methods_helpers():
+    """A method builds on core and, where its paper does, on another method's class (FedProx on FedAvg, FedRep on
+    FedPer, CLIP2FL on CReFF); helpers two methods share live in core modules (core/priors.py, proximal.py,
+    retrain.py, server_opt.py, auxiliary.py, training.py ...)."""
+    methods = SRC / "methods"
+    assert len(list(methods.glob("*.py"))) > 30 and "FedAvg" in registered_classes(methods / "fedavg.py")
+    bad = foreign_helpers(methods)
+    assert not bad, "\n".join(bad) + "\nMove the shared piece into a core module and import it from there"
+
+
+def test_a_planted_helper_import_is_named(tmp_path):
+    """Every form of reaching into another method file is found; building on a registered class is not."""
+    files = {"base.py": "@METHODS.register('base')\nclass Base:\n    pass\n\nclass Mixin:\n    pass\n\n"
+                        "def helper():\n    pass\n",
+             "good.py": "from .base import Base\nfrom ..core import thing\n",
+             "bad.py": "from .base import Base, helper\nfrom fedlt.methods.base import Mixin\n"
+                       "def f():\n    from . import base\n    import fedlt.methods.base\n"}
+    root = _package(tmp_path, files)
+    assert foreign_helpers(root) == [
+        "bad.py:1: imports helper from base.py, which is not a registered method class",
+        "bad.py:2: imports Mixin from base.py, which is not a registered method class",
+        "bad.py:4: imports the method module base",
+        "bad.py:5: imports the method module fedlt.methods.base"]

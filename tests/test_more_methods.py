@@ -72,7 +72,7 @@ def test_fednova_normalises_updates_by_local_steps():
 
 
 def test_fednova_learns_and_reports_momentum_normalised_steps(trained):
-    from fedlt.methods.scaffold import effective_steps
+    from fedlt.core.training import effective_steps
 
     sim, final = trained("fednova")
     assert gm(final)["acc"] > 0.5
@@ -128,7 +128,7 @@ def test_moon_keeps_the_previous_local_model_on_the_client_and_learns(trained):
 
 # ------------------------------------------------------------------------------------------------ CCVR
 def test_ccvr_pooled_statistics_equal_those_of_the_union():
-    from fedlt.methods.ccvr import class_statistics, pooled_gaussian, sample_gaussian
+    from fedlt.core.retrain import class_statistics, pooled_gaussian, sample_gaussian
 
     g = torch.Generator().manual_seed(0)
     parts = [torch.randn(n, 5, generator=g, dtype=torch.float64) * s + s for n, s in ((7, 1.0), (1, 3.0), (20, 0.5))]

@@ -1,4 +1,5 @@
-"""Server-side steps on the aggregated update, shared by FedAvgM, FedAdam, FedExP and SCAFFOLD.
+"""Server-side steps on the aggregated update, shared by FedAvgM, FedAdam, FedExP and SCAFFOLD, and the
+:class:`ServerOpt` mixin of the methods that are FedAvg plus a server optimiser (FedAvgM, FedAdam).
 
 Notation (Reddi et al., ICLR 2021, "Adaptive Federated Optimization"): in round t the server holds ``w`` and
 receives client models ``w_k``; their average ``w_avg`` gives the *pseudo-gradient*
@@ -23,6 +24,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+from .aggregation import weighted_average
+
 Arrays = dict[str, torch.Tensor]
 
 
@@ -42,6 +46,32 @@ class ParamKeys:
         if keys is None:
             keys = self.__dict__["_param_keys"] = parameter_keys(self.net)
         return keys
+
+
+class ServerOpt(ParamKeys):
+    """Mixin for a Method (before it in the bases: ``class FedAvgM(ServerOpt, FedAvg)``): FedAvg's clients plus a
+    server optimiser on the pseudo-gradient; the method gives ``direction(g, opt)``.
+
+    ``Params`` must have ``server_lr``. The optimiser state is ``state["server_opt"]``.
+    """
+
+    def __init__(self, spec, params=None):
+        super().__init__(spec, params)
+        if not self.p.server_lr > 0:
+            raise ConfigError(f"{self.name}: server_lr must be > 0, got {self.p.server_lr}")
+
+    def init_server(self) -> dict:
+        return {**super().init_server(), "server_opt": {}}
+
+    def direction(self, g: Arrays, opt: dict) -> Arrays:
+        raise NotImplementedError
+
+    def aggregate(self, state, rnd, replies):
+        avg = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies])
+        g = pseudo_gradient(state["weights"], avg, self.param_keys)
+        d = self.direction(g, state.setdefault("server_opt", {}))
+        state["weights"] = server_step(state["weights"], avg, d, self.p.server_lr)
+        return state
 
 
 def pseudo_gradient(weights: Arrays, averaged: Arrays, keys: Iterable[str]) -> Arrays:

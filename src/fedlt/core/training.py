@@ -29,6 +29,15 @@ def make_optimizer(params: Iterable, spec: RunSpec, lr: float | None = None, mom
     )
 
 
+def effective_steps(K: int, momentum: float) -> float:
+    """K' such that K heavy-ball steps (momentum rho, lr eta) of a constant gradient g move by eta * K' * g: the
+    step count that normalises a local update made with momentum (SCAFFOLD's option II, FedNova's ||a_i||_1)."""
+    if momentum == 0.0:
+        return float(K)
+    r = momentum
+    return (K - r * (1 - r**K) / (1 - r)) / (1 - r)
+
+
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -47,11 +47,11 @@ import torch.nn.functional as F
 
 from ..core import Message, Method, load_weights, make_optimizer, weights_of
 from ..core.losses import masked_logits
+from ..core.retrain import local_features
 from ..core.sampling import class_balanced_batches
 from ..core.training import Meter
 from ..errors import ConfigError
 from ..registry import METHODS
-from .redgrape import local_features
 
 
 def pooled_covariance(feats: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:

@@ -17,45 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
-from ..core import LocalSteps
 from ..core.losses import balanced_softmax_loss
-from ..errors import ConfigError
+from ..core.priors import CountLoss, prior_counts
 from ..registry import METHODS
 from .fedavg import FedAvg
 
 
-class LocalLossFedAvg(FedAvg):
-    """FedAvg whose clients train on ``local_loss(logits, y, counts)`` instead of CE, ``counts`` being the
-    client's class counts (a float tensor on the run's device, which never leaves the client): the base of the
-    methods that change only the local loss (Balanced Softmax, Fed-Focal, FedLC)."""
-
-    def local_loss(self, logits: torch.Tensor, y: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def local_steps(self, payload, cstate, data):
-        counts = torch.as_tensor(data.counts, dtype=torch.float32, device=self.spec.device)
-        return LocalSteps(payload.arrays, self.step_loss, extra={"counts": counts})
-
-    def step_loss(self, model, x, y, extra):
-        return self.local_loss(model(x), y, extra["counts"])
-
-
-def prior_counts(counts, absent: float):
-    """The client's class counts with ``absent`` in place of 0 (the absent-class policy of a count-based loss):
-    a tensor for a tensor (same device and dtype), else a float64 array."""
-    if absent < 0:
-        raise ConfigError(f"absent_count must be >= 0, got {absent}")
-    if isinstance(counts, torch.Tensor):
-        return torch.where(counts > 0, counts, torch.full_like(counts, float(absent)))
-    c = np.asarray(counts, dtype=np.float64)
-    return np.where(c > 0, c, float(absent))
-
-
 @METHODS.register("fedavg-bsm")
-class FedAvgBSM(LocalLossFedAvg):
+class FedAvgBSM(CountLoss, FedAvg):
     name = "fedavg-bsm"
 
     @dataclass

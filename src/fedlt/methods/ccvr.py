@@ -34,50 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from ..core import Message, derive_seed, load_weights
+from ..core.retrain import (class_statistics, local_features, pooled_gaussian, retrain_head,
+                            retrained_head_modes, sample_gaussian)
 from ..errors import ConfigError
-from ..metrics import features
 from ..registry import METHODS
-from .creff import retrain_head, retrained_head_modes
 from .fedavg import FedAvg
 
 SAMPLE, SHUFFLE = 0xCC1, 0xCC2  # seed purposes
 HEAD = ("head.weight", "head.bias")
-
-
-def class_statistics(feats: torch.Tensor, labels: torch.Tensor, classes, biased: bool = False):
-    """Per class in ``classes``: count, mean and covariance (1/(n-1), or 1/n with ``biased``) of the features."""
-    counts, means, covs = [], [], []
-    for c in classes:
-        z = feats[labels == c]
-        n = z.shape[0]
-        mu = z.mean(0)
-        zc = z - mu
-        denom = n if biased else max(n - 1, 1)
-        counts.append(n)
-        means.append(mu)
-        covs.append(zc.T @ zc / denom)
-    dev = feats.device
-    return (torch.tensor(counts, dtype=torch.float64, device=dev), torch.stack(means).double(),
-            torch.stack(covs).double())
-
-
-def pooled_gaussian(counts: torch.Tensor, means: torch.Tensor, covs: torch.Tensor):
-    """Eq. 3-4: the mean and covariance of the union of K groups from their counts [K], means [K, d] and
-    unbiased covariances [K, d, d]."""
-    N = counts.sum()
-    mu = (counts[:, None] * means).sum(0) / N
-    if N <= 1:
-        return mu, torch.zeros_like(covs[0])
-    cov = ((counts - 1)[:, None, None] * covs).sum(0) / (N - 1)
-    cov = cov + torch.einsum("k,ki,kj->ij", counts, means, means) / (N - 1) - N / (N - 1) * torch.outer(mu, mu)
-    return mu, cov
-
-
-def sample_gaussian(mu: torch.Tensor, cov: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
-    """``n`` draws from N(mu, cov) through the eigendecomposition of the (symmetrised) covariance."""
-    lam, Q = torch.linalg.eigh((cov + cov.T) / 2)
-    eps = torch.randn(n, mu.shape[0], generator=gen, dtype=mu.dtype, device="cpu").to(mu.device)
-    return mu + (eps * lam.clamp_min(0).sqrt()) @ Q.T
 
 
 @METHODS.register("ccvr")
@@ -108,7 +72,7 @@ class CCVR(FedAvg):
     def phase_client(self, phase, payload, cstate, data, gen):
         net = self.net
         load_weights(net, payload.arrays)
-        f, y = features(net.backbone, data.batches(1024, None, shuffle=False, train=False))
+        f, y = local_features(net.backbone, data, 1024)
         held = data.classes.tolist()
         n, mu, cov = class_statistics(f, y, held, self.p.biased_local_cov)
         arrays = {"ccvr.classes": torch.as_tensor(held, dtype=torch.long, device=f.device),

@@ -45,12 +45,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..core import (Message, Method, Predictor, ce_loss, derive_seed, load_weights, train_local, weighted_average,
                     weights_of)
 from ..core.classgrad import head_ce_grads, mean_class_grads, pack_class_grads
+from ..core.retrain import retrain_head
 from ..errors import ConfigError
 from ..registry import METHODS
 
@@ -85,46 +85,6 @@ def match_features(feats: torch.Tensor, labels: torch.Tensor, weight: torch.Tens
         (loss if extra is None else loss + extra(f)).backward()
         opt.step()
     return f.detach()
-
-
-def retrained_head_modes(model, head: dict | None, name: str) -> dict[str, Predictor]:
-    """Inference modes of a model whose classifier the server re-trained after training (CCVR, RUCR): ``name``,
-    the model's backbone under the re-trained head ``{"head.weight", "head.bias"}`` when there is one, then
-    ``fedavg``, the model's own head."""
-    modes = {}
-    if head is not None:
-        modes[name] = Predictor(model.backbone, lambda h: F.linear(h, head["head.weight"], head["head.bias"]),
-                                shared_backbone=True)
-    modes["fedavg"] = Predictor(model.backbone, model.head, shared_backbone=True)
-    return modes
-
-
-@torch.no_grad()
-def retrain_head(feats: torch.Tensor, labels: torch.Tensor, head: nn.Linear, epochs: int, lr: float,
-                 batch_size: int, gen: torch.Generator, momentum: float = 0.0, weight_decay: float = 0.0) -> nn.Linear:
-    """Train ``head`` with CE on (feats, labels) by mini-batch SGD (torch.optim.SGD's update, with optional
-    momentum and weight decay on both W and b), shuffled each epoch. The CE gradient of a linear layer is written
-    out (batch mean of (p - e_y) h^T), which is the same update autograd would give at a fraction of the per-step
-    overhead. Used by CReFF, CCVR and RUCR."""
-    W, b = head.weight, head.bias
-    n, C = len(labels), W.shape[0]
-    onehot = F.one_hot(labels, C).to(feats.dtype)
-    bufs = None
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=gen, device="cpu").to(feats.device)
-        for s in range(0, n, batch_size):
-            i = order[s:s + batch_size]
-            h = feats[i]
-            r = (F.softmax(h @ W.T + b, 1) - onehot[i]) / len(i)
-            gw, gb = r.T @ h, r.sum(0)
-            if weight_decay:
-                gw, gb = gw + weight_decay * W, gb + weight_decay * b
-            if momentum:
-                bufs = (gw, gb) if bufs is None else (bufs[0].mul_(momentum).add_(gw), bufs[1].mul_(momentum).add_(gb))
-                gw, gb = bufs
-            W.sub_(lr * gw)
-            b.sub_(lr * gb)
-    return head
 
 
 @METHODS.register("creff")

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 from ..core import load_weights, train_local, weights_of
 from ..core.personal import initial_weights, personal_net, personal_predictor
+from ..core.proximal import proximal_term
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
-from .fedprox import proximal_term
 
 
 @METHODS.register("ditto")

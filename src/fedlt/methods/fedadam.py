@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.server_opt import adam_direction
+from ..core.server_opt import ServerOpt, adam_direction
 from ..errors import ConfigError
 from ..registry import METHODS
-from .fedavgm import ServerOptMethod
+from .fedavg import FedAvg
 
 
 @METHODS.register("fedadam")
-class FedAdam(ServerOptMethod):
+class FedAdam(ServerOpt, FedAvg):
     name = "fedadam"
 
     @dataclass

@@ -22,47 +22,21 @@ averaged update is too large there. Seed 0 reached GM 75.5 (FedAvg 83.6); seed 1
 round 35, then the training loss rose (0.26 -> 1.9 by round 40) and the model ended predicting one class
 (GM 10.0). ``--set server_lr=0.1`` (effective step 1, as FedAvg's) gave GM 82.4 and 81.4 at seeds 0 and 1.
 
-The server-optimiser machinery (pseudo-gradient, step, parameter/buffer split) is in core/server_opt.py and
-is shared with FedAdam, FedExP and SCAFFOLD.
+The server-optimiser machinery (pseudo-gradient, step, parameter/buffer split, the ``ServerOpt`` mixin) is in
+core/server_opt.py and is shared with FedAdam, FedExP and SCAFFOLD.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core import weighted_average
-from ..core.server_opt import ParamKeys, momentum_direction, pseudo_gradient, server_step
+from ..core.server_opt import ServerOpt, momentum_direction
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
 
 
-class ServerOptMethod(ParamKeys, FedAvg):
-    """FedAvg clients plus a server optimiser on the pseudo-gradient; subclasses give ``direction``.
-
-    ``Params`` must have ``server_lr``. The optimiser state is ``state["server_opt"]``.
-    """
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if not self.p.server_lr > 0:
-            raise ConfigError(f"{self.name}: server_lr must be > 0, got {self.p.server_lr}")
-
-    def init_server(self) -> dict:
-        return {**super().init_server(), "server_opt": {}}
-
-    def direction(self, g: dict, opt: dict) -> dict:
-        raise NotImplementedError
-
-    def aggregate(self, state, rnd, replies):
-        avg = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies])
-        g = pseudo_gradient(state["weights"], avg, self.param_keys)
-        d = self.direction(g, state.setdefault("server_opt", {}))
-        state["weights"] = server_step(state["weights"], avg, d, self.p.server_lr)
-        return state
-
-
 @METHODS.register("fedavgm")
-class FedAvgM(ServerOptMethod):
+class FedAvgM(ServerOpt, FedAvg):
     name = "fedavgm"
 
     @dataclass

@@ -39,10 +39,10 @@ from ..core import Message, Method, Predictor, derive_seed, load_weights, make_o
 from ..core.etf import fixed_classifier
 from ..core.personal import personal_predictor
 from ..core.losses import balanced_softmax_loss
+from ..core.priors import prior_counts
 from ..errors import ConfigError
 from ..models import Model
 from ..registry import METHODS
-from .bsm import prior_counts
 
 _PROJ_SEED = 0xE7F
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.losses import focal_loss
+from ..core.priors import CountLoss
 from ..errors import ConfigError
 from ..registry import METHODS
-from .bsm import LocalLossFedAvg
+from .fedavg import FedAvg
 
 
 @METHODS.register("fedfocal")
-class FedFocal(LocalLossFedAvg):
+class FedFocal(CountLoss, FedAvg):
     name = "fedfocal"
 
     @dataclass

@@ -7,7 +7,7 @@ The clients' models, as an ensemble, know more about the tail than their average
 ensemble on a small balanced auxiliary set and distils it into the global model.
 
 **This method needs labelled data on the server**: ``aux_per_class`` samples of every class, drawn as Ratio
-Loss's auxiliary set (``ratioloss.auxiliary_set``: samples the long-tailed subset left out, where there are any).
+Loss's auxiliary set (``core.auxiliary.auxiliary_set``: samples the long-tailed subset left out, where there are any).
 Client: E local epochs of SGD on cross-entropy (FedAvg's); sends its model.
 Server, round t, with the round's client models w_1..w_M (features f_k, logits z_k) and D_aux:
 0. w_avg = FedAvg(w_1..w_M).
@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from ..core import derive_seed, load_weights, weighted_average, weights_of
+from ..core.auxiliary import auxiliary_set
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
-from .ratioloss import auxiliary_set
 
 HIGHWAY_INIT, BATCHES = 0x1C1, 0x1C2  # seed purposes
 

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..core.priors import CountLoss, prior_counts
 from ..errors import ConfigError
 from ..registry import METHODS
-from .bsm import LocalLossFedAvg, prior_counts
+from .fedavg import FedAvg
 
 LOSSES = ("paper", "ce")
 
@@ -51,7 +52,7 @@ def fedlc_loss(logits: torch.Tensor, y: torch.Tensor, counts, tau: float = 1.0, 
 
 
 @METHODS.register("fedlc")
-class FedLC(LocalLossFedAvg):
+class FedLC(CountLoss, FedAvg):
     name = "fedlc"
 
     @dataclass

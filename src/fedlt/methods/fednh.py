@@ -36,8 +36,8 @@ from torch import nn
 from ..core import Message, Predictor, derive_seed, load_weights, train_local, weighted_average, weights_of
 from ..core.etf import init_classifier
 from ..core.personal import personal_predictor
+from ..core.retrain import local_features
 from ..errors import ConfigError
-from ..metrics import features
 from ..models import Model
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -117,7 +117,7 @@ class FedNH(FedAvg):
         net = self.net
         load_weights(net, payload.arrays)
         stats = train_local(net, data, self.spec, gen)
-        f, y = features(net.backbone, data.batches(1024, None, shuffle=False, train=False))
+        f, y = local_features(net.backbone, data, 1024)
         proto, counts = class_prototypes(f, y, self.spec.num_classes)
         mine = weights_of(net)
         arrays = {**mine, "nh.proto": proto, "nh.count": counts}

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from ..core import Message, load_weights, train_local, weighted_average, weights_of
 from ..core.server_opt import ParamKeys, server_step
+from ..core.training import effective_steps
 from ..registry import METHODS
 from .fedavg import FedAvg
-from .scaffold import effective_steps
 
 
 @METHODS.register("fednova")

@@ -7,22 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 
 from ..core import LocalSteps, strip
+from ..core.proximal import proximity
 from ..registry import METHODS
 from .fedavg import FedAvg
-
-
-def proximity(params: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor]) -> torch.Tensor:
-    """sum over the named tensors of ||w - w_anchor||^2."""
-    return sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
-
-
-def proximal_term(model: torch.nn.Module, anchor: dict[str, torch.Tensor]) -> torch.Tensor:
-    """sum over the trainable parameters of ||w - w_anchor||^2 (buffers excluded)."""
-    return proximity({n: p for n, p in model.named_parameters() if p.requires_grad}, anchor)
 
 
 @METHODS.register("fedprox")

@@ -44,45 +44,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..core import Message, Method, derive_seed, load_weights, train_local, weighted_average, weights_of
+from ..core.auxiliary import auxiliary_set
 from ..errors import ConfigError
 from ..registry import METHODS
 
-AUX_DRAW, MONITOR = 121, 122  # seed purposes
-
-
-def auxiliary_set(spec, per_class: int, who: str = "ratioloss"):
-    """The server's balanced auxiliary set as ``ClientData`` (client id -1, no test set), and how many of its
-    samples are also in the long-tailed training subset the clients share. ``who``: the method, for errors."""
-    from ..data.datasets import load_dataset
-    from ..data.federated import ClientData, Prep
-    from ..data.longtail import longtail_indices
-
-    d = spec.data
-    if not d.get("dataset"):
-        raise ConfigError(f"{who} needs the run's data settings (RunSpec.data) to draw its server-side "
-                          "auxiliary set; build the spec with fedlt.experiment.make_spec")
-    ds = load_dataset(d["dataset"], d.get("data_dir"), **d.get("dataset_kw", {}))
-    y = ds.y_train.numpy()
-    keep = longtail_indices(y, ds.num_classes, d["imbalance_ratio"], d.get("seed", spec.seed),
-                            d.get("lt_profile", "exp"), d.get("n_max"), d.get("tail_classes", 3))
-    in_lt = np.zeros(len(y), dtype=bool)
-    in_lt[keep] = True
-    rng = np.random.default_rng(derive_seed(spec.seed, AUX_DRAW))
-    idx, overlap = [], 0
-    for c in range(ds.num_classes):
-        spare = rng.permutation(np.flatnonzero((y == c) & ~in_lt))[:per_class]
-        kept = rng.permutation(np.flatnonzero((y == c) & in_lt))[:per_class - len(spare)]
-        idx += [spare, kept]
-        overlap += len(kept)
-    idx = torch.from_numpy(np.concatenate(idx))
-    prep = Prep(ds.mean, ds.std, ds.augment, spec.device)
-    aux = ClientData(-1, ds.x_train[idx], ds.y_train[idx], ds.num_classes, prep, ds.x_test[:0], ds.y_test[:0])
-    return aux, overlap
+MONITOR = 122  # seed purpose (121 is the auxiliary set's draw, core.auxiliary)
 
 
 def ratio_weights(w_last: torch.Tensor, monitors: torch.Tensor, threshold: float = 0.8, cap: float = 5000.0,

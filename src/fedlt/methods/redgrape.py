@@ -55,18 +55,13 @@ from torch import nn
 
 from ..core import Meter, Message, Method, derive_seed, load_weights, make_optimizer, weighted_average, weights_of
 from ..core.classgrad import head_ce_grads, mean_class_grads, pack_class_grads, unpack_class_grads
+from ..core.proximal import proximal_term
+from ..core.retrain import local_features
 from ..core.sampling import per_class_subset
 from ..errors import ConfigError
-from ..metrics import features
 from ..registry import METHODS
-from .fedprox import proximal_term
 
 SUP_INIT = 101  # seed purpose: the supplementary classifier's initialisation
-
-
-def local_features(backbone: nn.Module, data) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features (eval mode, no augmentation) of all of a client's training samples, with their labels."""
-    return features(backbone, data.batches(1000, None, shuffle=False, train=False))
 
 
 @METHODS.register("redgrape")

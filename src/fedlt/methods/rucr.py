@@ -44,10 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, ce_loss, load_weights, train_local, weighted_average, weights_of
+from ..core.retrain import local_features, retrain_head, retrained_head_modes
 from ..errors import ConfigError
-from ..metrics import features
 from ..registry import METHODS
-from .creff import retrain_head, retrained_head_modes
 from .fedavg import FedAvg
 
 HEAD = ("head.weight", "head.bias")
@@ -129,7 +128,7 @@ class RUCR(FedAvg):
     def local_train(self, payload, cstate, data, gen):
         net, p, C = self.net, self.p, self.spec.num_classes
         load_weights(net, {k: v for k, v in payload.arrays.items() if not k.startswith("rucr.")})
-        f, y = features(net.backbone, data.batches(1024, None, shuffle=False, train=False))
+        f, y = local_features(net.backbone, data, 1024)
         means, counts = class_means(f, y, C)
         loss_fn = ce_loss
         if "rucr.protos" in payload.arrays:
@@ -155,7 +154,7 @@ class RUCR(FedAvg):
     def phase_client(self, phase, payload, cstate, data, gen):
         net, p = self.net, self.p
         load_weights(net, {k: v for k, v in payload.arrays.items() if not k.startswith("rucr.")})
-        f, y = features(net.backbone, data.batches(1024, None, shuffle=False, train=False))
+        f, y = local_features(net.backbone, data, 1024)
         if phase == "rucr-stats":
             means, counts = class_means(f, y, self.spec.num_classes)
             return Message({"rucr.mean": F.normalize(means, dim=1), "rucr.count": counts},

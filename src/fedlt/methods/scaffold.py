@@ -39,19 +39,12 @@ import torch.nn.functional as F
 
 from ..core import Message, Meter, load_weights, train_local, weighted_average, weights_of
 from ..core.server_opt import ParamKeys, pseudo_gradient, server_step
+from ..core.training import effective_steps
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
 
 C_DOWN, C_UP = "c/", "dc/"  # name prefixes of the control-variate arrays in messages
-
-
-def effective_steps(K: int, momentum: float) -> float:
-    """K' such that K heavy-ball steps (momentum rho, lr eta) of a constant gradient g move by eta * K' * g."""
-    if momentum == 0.0:
-        return float(K)
-    r = momentum
-    return (K - r * (1 - r**K) / (1 - r)) / (1 - r)
 
 
 @METHODS.register("scaffold")
