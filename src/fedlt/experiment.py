@@ -26,6 +26,10 @@ from .metrics import GROUPS
 from .plugins import method_class
 
 
+CLIENT_STATES = "client-states"  # the run directory's client-state store (fedlt.engine.clientstate)
+PLOTTED_CLIENTS = 20  # clients whose heads final_state.safetensors keeps for the report
+
+
 @dataclass
 class Prepared:
     cfg: RunConfig
@@ -207,6 +211,9 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     except OSError as e:
         raise ConfigError(f"cannot write the run directory {out}: {e.strerror or e}; choose another --out") from None
     write_partition(out, fed, test_sizes)
+    keep_states = getattr(driver.transport, "keep_states_in", None)
+    if keep_states is not None:  # spills and incremental checkpoints of the client states go here
+        keep_states(out / CLIENT_STATES, fresh=ck is None)
     if intro:
         echo(intro)
     elapsed = 0.0
@@ -256,12 +263,26 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
         summary["resumed_after_round"] = ck["sim"]["round"]
     if check.first is not None:
         summary["diverged_continued"] = check.first  # --on-diverge continue: round and reason
-    clients = {cid: h for cid, cs in sorted(driver.transport.state_dict().items()) if (h := head_like(cs, C))}
-    save_final_state(out, driver.state, {"server": head_like(driver.state, C), **heads, "clients": clients})
+    save_final_state(out, driver.state, {"server": head_like(driver.state, C), **heads,
+                                         "clients": client_heads(driver.transport, fed, C)})
     write_json(out / "summary.json", summary)
     remove_checkpoints(out)
+    states = getattr(driver.transport, "client_states", None)
+    if keep_states is not None and states is not None:  # a finished run keeps no client state (as no checkpoint)
+        states.clear()
     echo(format_summary(summary))
     return summary
+
+
+def client_heads(transport, fed: Federation, num_classes: int, n: int = PLOTTED_CLIENTS) -> dict:
+    """The classifier-like tensors of the ``n`` largest clients that have a state (the report plots the
+    largest one's): read from those clients only, whatever the population."""
+    from .experiments.runstate import head_like
+
+    states = getattr(transport, "client_states", None) or {}
+    sizes = np.asarray(fed.counts).sum(1) if len(fed.counts) else None
+    cids = sorted(states, key=lambda c: (-int(sizes[c]) if sizes is not None and c < len(sizes) else 0, c))[:n]
+    return {cid: h for cid in sorted(cids) if (h := head_like(states[cid], num_classes))}
 
 
 def fmt(v) -> str:

@@ -90,7 +90,7 @@ def client_reports(pp, client, num_classes: int, csplit: dict[str, np.ndarray], 
     engine calls this on the client itself."""
     out = {}
     for mode, pred in as_modes(pp, "personal").items():
-        if pred.shared_backbone and shared is not None:
+        if pred.shared_backbone and shared is not None and client.tests_on_test_set:
             idx = torch.from_numpy(client.test_index).to(shared[0].device)
             f, y = shared[0][idx], shared[1][idx]
         else:
@@ -115,10 +115,12 @@ def summarize_personal(per_mode: dict[str, list[dict]], source: str) -> dict[str
     return out
 
 
-def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "fedloge",
-             personal: bool = True) -> dict:
-    """One evaluation: every global inference mode on the balanced test set, and every personal mode on each
-    client's own test set. Backbone features are computed once per distinct backbone and reused for heads."""
+def evaluate(method, state: dict, client_states, fed, split_mode: str = "fedloge",
+             personal: bool = True, clients: list[int] | None = None) -> dict:
+    """One evaluation: every global inference mode on the balanced test set, and every personal mode on the own
+    test set of each of ``clients`` (None: every client). Backbone features are computed once per distinct
+    backbone and reused for heads. ``client_states``: a client's state by id, a mapping (a client without one
+    gets ``{}``) or a function. ``untested`` in the result: how many of the clients had no test sample."""
     C = fed.num_classes
     gsplit = shot_split(fed.train_counts, split_mode)
     gm = method.global_model(state)  # None: the method has no generic model (FedPer, FedRep, Local)
@@ -140,10 +142,14 @@ def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "f
     main_global = next(iter(gmodes.values()), None)
     per_mode: dict[str, list] = {}
     source = "personal"
-    for c in fed.clients:
+    state_of = client_states if callable(client_states) else (lambda cid: client_states.get(cid, {}))
+    untested = 0
+    for cid in range(len(fed.clients)) if clients is None else clients:
+        c = fed.clients[cid]
         if len(c.test_y) == 0:
+            untested += 1
             continue
-        pp = method.personal_model(method.eval_payload(state, c.client_id), client_states.get(c.client_id, {}), c)
+        pp = method.personal_model(method.eval_payload(state, c.client_id), state_of(c.client_id), c)
         if pp is None:
             if main_global is None:
                 raise ValueError(f"method {method.name} has neither a global nor a personal model")
@@ -151,6 +157,7 @@ def evaluate(method, state: dict, client_states: dict, fed, split_mode: str = "f
         for mode, rep in client_reports(pp, c, C, client_split(c.counts, split_mode, gsplit), shared).items():
             per_mode.setdefault(mode, []).append(rep)
     out["personal"] = summarize_personal(per_mode, source)
+    out["untested"] = untested
     return out
 
 

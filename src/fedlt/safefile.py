@@ -49,8 +49,10 @@ def _payload(obj: Any, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, st
     return tensors, meta
 
 
-def save_tree(path: str | os.PathLike, obj: Any, kind: str) -> None:
-    """Write ``obj`` to ``path`` atomically (a temporary file beside it, flushed to disk, then renamed)."""
+def save_tree(path: str | os.PathLike, obj: Any, kind: str, durable: bool = True) -> int:
+    """Write ``obj`` to ``path`` atomically (a temporary file beside it, flushed to disk, then renamed); returns
+    the bytes written. ``durable`` False skips the flushes (a file that only has to survive this process, such
+    as a spilled client state; :func:`fsync` makes it durable later)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -58,20 +60,30 @@ def save_tree(path: str | os.PathLike, obj: Any, kind: str) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata=meta)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        size = tmp.stat().st_size
+        if durable:
+            fsync(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    try:  # the rename itself survives a power cut only once the folder is flushed too
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    if durable:  # the rename itself survives a power cut only once the folder is flushed too
+        fsync_dir(path.parent)
+    return size
+
+
+def fsync(path: str | os.PathLike) -> None:
+    """Flush a file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a folder's entries (renames into it) to disk, where the file system allows it."""
+    try:
+        fsync(path)
     except OSError:
         pass
 

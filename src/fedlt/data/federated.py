@@ -73,8 +73,9 @@ class ClientData:
     def __init__(self, client_id: int, x: torch.Tensor, y: torch.Tensor, num_classes: int, prep: Prep,
                  test_x: torch.Tensor, test_y: torch.Tensor, test_index: np.ndarray | None = None, *,
                  rows: torch.Tensor | None = None, test_rows: torch.Tensor | None = None,
-                 train_index: np.ndarray | None = None):
+                 train_index: np.ndarray | None = None, tests_on_test_set: bool = True):
         self.client_id, self.num_classes, self.prep = client_id, num_classes, prep
+        self.tests_on_test_set = tests_on_test_set  # test_index: rows of the dataset's test split (else: own data)
         self._x, self._y, self.rows = x, y, rows
         self._tx, self._ty, self.test_rows = test_x, test_y, test_rows
         self.y = (y if rows is None else y[rows]).to("cpu")

@@ -33,8 +33,9 @@ import torch
 from ..core.api import Message, Method, derive_seed
 from ..errors import ConfigError
 from ..metrics import headline
+from .clientstate import DEFAULT_BUDGET, parse_bytes
 
-SAMPLING, TRAIN, PHASE = 10, 11, 12
+SAMPLING, TRAIN, PHASE, EVAL_SAMPLE = 10, 11, 12, 13
 TRAINING = "train"  # the ``kind`` of a training round's exchange; a phase's is its name
 
 
@@ -46,15 +47,24 @@ def sampling_schedule(num_clients: int, per_round: int, rounds: int, seed: int) 
     return [sorted(rng.choice(num_clients, size=per_round, replace=False).tolist()) for _ in range(rounds)]
 
 
-def clients_per_round(num_clients: int, participation: float) -> int:
+def clients_per_round(num_clients: int, participation: float, what: str = "participation") -> int:
     """participation <= 1 is a fraction of the clients, > 1 a count."""
     if participation <= 0:
-        raise ConfigError(f"participation must be > 0, got {participation:g}")
+        raise ConfigError(f"{what} must be > 0, got {participation:g}")
     n = int(round(participation)) if participation > 1 else max(1, int(round(participation * num_clients)))
     if n > num_clients:
-        raise ConfigError(f"participation {participation:g} asks for {n} clients per round but there are "
+        raise ConfigError(f"{what} {participation:g} asks for {n} clients but there are "
                           f"{num_clients}; use at most {num_clients} or a fraction <= 1")
     return n
+
+
+def eval_sample(num_clients: int, eval_clients: float, seed: int) -> list[int]:
+    """The clients PM is measured on, the same in every evaluation of a run (and in every run with the seed):
+    all of them for ``eval_clients`` 1, else a seeded sample of a fraction (<= 1) or count (> 1) of them."""
+    n = clients_per_round(num_clients, eval_clients, "eval-clients")
+    if n == num_clients:
+        return list(range(num_clients))
+    return sorted(np.random.default_rng([seed, EVAL_SAMPLE]).choice(num_clients, size=n, replace=False).tolist())
 
 
 def is_eval_round(rnd: int, eval_every: int, rounds: int) -> bool:
@@ -95,6 +105,8 @@ class EngineConfig:
     client_parallel: str = "auto"  # auto | off | N: clients trained together (engine.batched)
     lr: Callable[[int], float] | None = None  # the local lr of each round (config.lr_at); None: spec.lr as given
     cuda_graphs: bool = False  # batched steps in static mode, replayed as CUDA graphs on CUDA (engine.graphs)
+    client_state_memory: int = DEFAULT_BUDGET  # bytes of client states held in memory (engine.clientstate)
+    eval_clients: float = 1.0  # PM over all clients (1), or a seeded sample: a fraction (< 1) or a count (> 1)
 
     @classmethod
     def of(cls, cfg, progress: bool = True) -> "EngineConfig":
@@ -102,7 +114,9 @@ class EngineConfig:
         from ..config import lr_at
 
         return cls(cfg.rounds, cfg.participation, cfg.eval_every, cfg.seed, cfg.split, progress,
-                   str(cfg.client_parallel), lr=partial(lr_at, cfg), cuda_graphs=bool(cfg.cuda_graphs))
+                   str(cfg.client_parallel), lr=partial(lr_at, cfg), cuda_graphs=bool(cfg.cuda_graphs),
+                   client_state_memory=parse_bytes(getattr(cfg, "client_state_memory", DEFAULT_BUDGET)),
+                   eval_clients=float(getattr(cfg, "eval_clients", 1.0)))
 
 
 Replies = list[tuple[int, Message]]  # (client id, reply), in client-id order
@@ -119,11 +133,17 @@ class Transport(Protocol):
         the method's client hook on its payload, with the (purpose, index, client) generator. Returns the
         replies in client order and {client id: why its reply is missing}."""
 
-    def evaluate(self, method: Method, state: dict, split: str) -> tuple[dict, dict[int, str]]:
-        """GM on the balanced test set and PM on the clients' own test sets; and the clients missing."""
+    def evaluate(self, method: Method, state: dict, split: str, clients: list[int]) -> tuple[dict, dict[int, str]]:
+        """GM on the balanced test set and PM on the own test sets of ``clients`` (the run's evaluation
+        sample); and the clients missing."""
+
+    def keep_states_in(self, directory, fresh: bool = False) -> None:
+        """The run directory's folder for the client states this transport keeps (spills, checkpoints);
+        ``fresh``: a run that starts from round 0 (what an earlier run left there is removed)."""
 
     def state_dict(self) -> dict:
-        """The client states this transport can see (checkpoints); {} where they stay on the clients."""
+        """The client states this transport can see (checkpoints: an index of the stored states where they are
+        kept in the run directory); {} where they stay on the clients."""
 
     def load_state_dict(self, d: dict) -> None: ...
 
@@ -139,11 +159,13 @@ class Driver:
         self.num_clients = num_clients
         self.schedule = sampling_schedule(num_clients, clients_per_round(num_clients, cfg.participation),
                                           cfg.rounds, cfg.seed)
+        self.eval_clients = eval_sample(num_clients, cfg.eval_clients, cfg.seed)
         self.round = 0
         self.state = method.init_server()
         self.history: list[dict] = []
         self.missing: dict[str, list[int]] = {}  # "round 3" / "phase la-fr" / "eval 5" -> client ids
         self.echo: Callable[[str], None] = lambda line: None  # what a missing client prints
+        self.said: set[str] = set()  # notes printed once per run (why PM is absent)
         self.after_round: list[Callable[["Driver"], None]] = []
         # called with each round's record after training and before its evaluation (a divergence check)
         self.after_train: list[Callable[["Driver", dict], None]] = []
@@ -223,10 +245,17 @@ class Driver:
 
     def evaluate(self, tag: str = "final") -> dict:
         t0 = time.perf_counter()
-        ev, why = self.transport.evaluate(self.method, self.state, self.cfg.split)
+        ev, why = self.transport.evaluate(self.method, self.state, self.cfg.split, self.eval_clients)
         if why:
             ev["missing"] = sorted(why)
             self.note_missing(tag, why)
+        ev["eval_clients"] = {"sampled": len(self.eval_clients), "of": self.num_clients}
+        note = pm_note(ev, len(self.eval_clients), self.num_clients, len(why))
+        if note:
+            ev["pm_note"] = note
+            if note not in self.said:  # once per run
+                self.said.add(note)
+                self.echo(f"note: {note}")
         ev["eval_time"] = time.perf_counter() - t0
         return ev
 
@@ -259,6 +288,22 @@ class Driver:
             final = self.evaluate("final")
         self.log({"final": final})
         return final
+
+
+def pm_note(ev: dict, sampled: int, population: int, missing: int) -> str | None:
+    """Why PM is absent, or taken over fewer clients than the evaluation sample (None: over all of them)."""
+    untested = int(ev.get("untested", 0))
+    of = f"the {sampled:,} evaluated clients" if sampled == population else \
+        f"the {sampled:,} evaluated clients (a sample of {population:,}; --eval-clients)"
+    why = []
+    if untested:
+        why.append(f"{untested:,} have no test sample (their share of the balanced test set rounds to zero; "
+                   f"--client-test-fraction F gives every client a test set from its own data)")
+    if missing:
+        why.append(f"{missing:,} did not answer")
+    if not ev.get("personal"):
+        return f"no PM: none of {of} could be evaluated: " + "; ".join(why or ["no reply came back"])
+    return f"PM over {sampled - untested - missing:,} of {of}: " + "; ".join(why) if why else None
 
 
 def _progress(total: int, done: int, enabled: bool):

@@ -10,6 +10,7 @@ from ..core.api import Message, Method
 from ..core.training import autocast
 from ..metrics import evaluate
 from .batched import Job, train_batched
+from .clientstate import ClientStates
 from .driver import (PHASE, TRAIN, TRAINING, Driver, EngineConfig, client_generator,  # noqa: F401
                      clients_per_round, rng_state, sampling_schedule)
 from .graphs import StepGraphs
@@ -17,22 +18,38 @@ from .graphs import StepGraphs
 
 class InProcess:
     """The transport of clients in this process, one after another: the method's client hooks called
-    directly on each client's data and state (the states stay here, in ``client_states``)."""
+    directly on each client's data and state. The states of the clients that have trained stay here, in
+    ``client_states`` (a :class:`~fedlt.engine.clientstate.ClientStates` store: in memory up to its budget,
+    spilled to disk beyond it, checkpointed incrementally)."""
 
-    def __init__(self, method: Method, fed, seed: int):
+    def __init__(self, method: Method, fed, seed: int, states: ClientStates | None = None):
         self.method, self.fed, self.seed = method, fed, seed
-        self.client_states: dict[int, dict] = {}
+        self.client_states = states if states is not None else ClientStates()
+        self.round = 0  # the last training round carried: a post-training phase's states are tagged after it
 
     def client_state(self, cid: int) -> dict:
-        if cid not in self.client_states:
-            self.client_states[cid] = self.method.init_client(cid, self.fed.clients[cid])
-        return self.client_states[cid]
+        """``cid``'s stored state, or a fresh one (``init_client``) for a client that has not trained: a state
+        is stored when a client hook returns it, so a client that never trains costs nothing."""
+        if cid in self.client_states:
+            return self.client_states[cid]
+        return self.method.init_client(cid, self.fed.clients[cid])
+
+    def keep_states_in(self, directory, fresh: bool = False) -> None:
+        self.client_states.attach(directory, fresh)
 
     def reachable(self, cids) -> dict[int, str]:
         return {}
 
+    def _tag(self, kind: str, index: int) -> None:
+        """The round the states written by this exchange reflect: the training round, or (a phase) after the
+        last one."""
+        if kind == TRAINING:
+            self.round = index
+        self.client_states.tag = index if kind == TRAINING else self.round + 1 + index
+
     def send_and_receive(self, kind: str, index: int, payloads: dict[int, Message]):
         m = self.method
+        self._tag(kind, index)
         if kind == TRAINING:
             purpose, call = TRAIN, m.local_train
         else:
@@ -45,16 +62,28 @@ class InProcess:
             replies.append((cid, reply))
         return replies, {}
 
-    def evaluate(self, method: Method, state: dict, split: str):
-        for c in range(len(self.fed.clients)):
-            self.client_state(c)
-        return evaluate(method, state, self.client_states, self.fed, split), {}
+    def evaluate(self, method: Method, state: dict, split: str, clients: list[int] | None = None):
+        """GM, and PM over ``clients`` (None: all): a client that has not trained is evaluated with a fresh
+        state that is not stored."""
+        return evaluate(method, state, self.client_state, self.fed, split, clients=clients), {}
 
     def state_dict(self) -> dict:
-        return self.client_states
+        """For a checkpoint: with the store kept in a run directory, its index (the states changed since the
+        last checkpoint are written there now); else every state."""
+        s = self.client_states
+        if s.kept:
+            return {"round": self.round, **s.commit()}
+        return {cid: s[cid] for cid in s}
 
     def load_state_dict(self, d: dict) -> None:
-        self.client_states = dict(d)
+        """From :meth:`state_dict`, or a checkpoint of an earlier fedlt that held every client's state."""
+        d = dict(d)
+        if "versions" in d:
+            self.client_states.restore(d)
+            self.round = int(d.get("round", self.client_states.tag))
+        else:
+            self.client_states.clear()
+            self.client_states.load(d)
 
 
 class Batched(InProcess):
@@ -62,8 +91,9 @@ class Batched(InProcess):
     local steps (:func:`client_parallel_chunk`); the same payloads, generators and replies as
     :class:`InProcess`, which it falls back to otherwise."""
 
-    def __init__(self, method: Method, fed, seed: int, setting: str = "auto", graphs: StepGraphs | None = None):
-        super().__init__(method, fed, seed)
+    def __init__(self, method: Method, fed, seed: int, setting: str = "auto", graphs: StepGraphs | None = None,
+                 states: ClientStates | None = None):
+        super().__init__(method, fed, seed, states)
         self.setting, self.graphs = setting, graphs
         self.fitted: int | None = None  # auto: the chunk size that fitted on the GPU
 
@@ -75,15 +105,17 @@ class Batched(InProcess):
         chunk = self.parallel_chunk() if kind == TRAINING else 0
         if chunk == 0:
             return super().send_and_receive(kind, index, payloads)
+        self._tag(kind, index)
         m, seed, cids, data = self.method, self.seed, list(payloads), self.fed.clients
-        jobs = [Job(m.local_steps(payloads[c], self.client_state(c), data[c]), data[c],
+        states = {c: self.client_state(c) for c in cids}
+        jobs = [Job(m.local_steps(payloads[c], states[c], data[c]), data[c],
                     lambda c=c: client_generator(seed, TRAIN, index, c)) for c in cids]
         trained, fitted = train_batched(m, jobs, chunk, self.fitted, self.graphs)
         if chunk is None:
             self.fitted = fitted
         replies = []
         for c, out in zip(cids, trained):
-            reply, self.client_states[c] = m.local_reply(payloads[c], self.client_state(c), data[c], out)
+            reply, self.client_states[c] = m.local_reply(payloads[c], states[c], data[c], out)
             replies.append((c, reply))
         return replies, {}
 
@@ -96,7 +128,8 @@ class Simulation(Driver):
         self.fed = fed
         graphs = StepGraphs(capture=torch.device(method.spec.device).type == "cuda") if cfg.cuda_graphs \
             else None  # on a CPU: the static mode's arithmetic without capture
-        super().__init__(method, cfg, Batched(method, fed, cfg.seed, cfg.client_parallel, graphs),
+        states = ClientStates(cfg.client_state_memory)
+        super().__init__(method, cfg, Batched(method, fed, cfg.seed, cfg.client_parallel, graphs, states),
                          len(fed.clients), log)
 
     @property
@@ -108,7 +141,7 @@ class Simulation(Driver):
         self.transport.graphs = g
 
     @property
-    def client_states(self) -> dict[int, dict]:
+    def client_states(self) -> ClientStates:
         return self.transport.client_states
 
     def client_state(self, cid: int) -> dict:

@@ -214,11 +214,11 @@ class FedltStrategy(Strategy):
                 per_mode.setdefault(mode, []).append(rep)
         return summarize_personal(per_mode, source)
 
-    def evaluate(self, grid: Grid) -> tuple[dict, dict[int, str]]:
-        """GM on the server's balanced test set, PM on the clients (as ``fedlt.metrics.evaluate``); and the
-        clients whose PM is missing, with why."""
+    def evaluate(self, grid: Grid, clients: list[int] | None = None) -> tuple[dict, dict[int, str]]:
+        """GM on the server's balanced test set, PM on ``clients`` (None: every client; as
+        ``fedlt.metrics.evaluate``); and the clients whose PM is missing, with why."""
         ev = evaluate_global(self.method, self.state, {}, self.fed, self.cfg.split, personal=False)
-        cids = sorted(self.nodes)
+        cids = sorted(self.nodes) if clients is None else [c for c in clients if c in self.nodes]
         got, why = self.exchange(grid, self._eval_messages(cids, not self.method.personalized), self.round_timeout)
         again = [cid for cid, rd in got.items() if str(control(rd)["source"]) == "needs-global"]
         if again:  # a personalized method without a personal model for these clients: PM with the global model
@@ -228,6 +228,7 @@ class FedltStrategy(Strategy):
             for cid in why2:
                 got.pop(cid, None)
         ev["personal"] = self._personal(got)
+        ev["untested"] = sum(str(control(rd)["source"]) == "none" for rd in got.values())
         return ev, why
 
     # ------------------------------------------------------------------ the run
@@ -286,8 +287,13 @@ class GridTransport:
         got, why = self.st.exchange(self.grid, self.messages(kind, index, payloads), self.st.round_timeout)
         return [(cid, from_records(got[cid])) for cid in sorted(got)], why
 
-    def evaluate(self, method: Method, state: dict, split: str):
-        return self.st.evaluate(self.grid)
+    def evaluate(self, method: Method, state: dict, split: str, clients: list[int] | None = None):
+        return self.st.evaluate(self.grid, clients)
+
+    @property
+    def client_states(self) -> dict:
+        """The client states within reach (an in-process grid's nodes), by client id."""
+        return self.state_dict()
 
     def _contexts(self) -> dict:
         return getattr(self.grid, "contexts", {})  # in-process nodes; a SuperLink's are out of reach

@@ -1,0 +1,264 @@
+"""The client-state store (fedlt.engine.clientstate): states exist for the clients that trained, spill to disk
+beyond a memory budget and come back bit for bit, checkpoints are incremental, a killed run resumes exactly, and
+a damaged state file stops the run with one line naming the client."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedlt import experiment
+from fedlt.core.api import Method
+from fedlt.engine import EngineConfig, Simulation
+from fedlt.engine.clientstate import ClientStates, parse_bytes, state_name
+from fedlt.engine.driver import TRAIN, client_generator
+from fedlt.errors import ConfigError
+from fedlt.experiment import federation_for, prepare
+from fedlt.registry import METHODS
+from fedlt.safefile import load_tree
+
+from conftest import method_test_params, small_config
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _state(g: torch.Generator) -> dict:
+    return {"w": torch.randn(4, 3, generator=g), "t": (1, 2.5, "x"), 3: np.arange(4), "n": None,
+            "half": torch.randn(5, generator=g).to(torch.bfloat16)}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# ---------------------------------------------------------------------------------------------- the store
+def test_store_keeps_its_budget_spills_the_least_recently_used_and_reads_them_back_bit_for_bit(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    states = {c: _state(g) for c in range(6)}
+    one = 4 * 3 * 4 + 4 * 8 + 5 * 2 + 64  # bytes of one state's arrays, and what a state costs beyond them
+    store = ClientStates(budget=2 * one, directory=tmp_path)
+    for c, s in states.items():
+        store.tag = 10 + c
+        store[c] = s
+        assert store.memory <= 2 * one
+    assert store.spilled == 4 and sorted(store) == list(range(6)) and len(store) == 6
+    assert sorted(os.listdir(tmp_path)) == sorted(state_name(c, 10 + c) for c in range(4))
+    for c in range(6):  # the spilled ones come back as they were, with their round tag
+        assert _same(store[c], states[c]) and store.tag_of(c) == 10 + c
+    store.tag = 20
+    store[0] = states[5]  # a new version replaces the old file (no checkpoint refers to it)
+    store.commit()
+    assert state_name(0, 10) not in os.listdir(tmp_path) and state_name(0, 20) in os.listdir(tmp_path)
+    assert "1" not in {str(k) for k in ClientStates()}  # a new store holds nobody
+
+
+def test_checkpoints_are_incremental_and_a_restored_store_reads_its_states_lazily(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    store = ClientStates(directory=tmp_path)
+    written = []
+    for rnd in range(1, 5):  # 2 clients change per round out of 50 that have trained once
+        store.tag = rnd
+        for c in ([*range(50)] if rnd == 1 else [rnd, rnd + 10]):
+            store[c] = {"w": torch.randn(64, generator=g)}
+        before = store.written_bytes
+        index = store.commit()
+        written.append(store.written_bytes - before)
+    assert written[1] == written[2] == written[3] < written[0] / 20  # the changed clients only
+    # the kept checkpoints' versions stay on disk (the newest ones and those a previous checkpoint refers to)
+    assert {state_name(3, 1), state_name(3, 3)} <= set(os.listdir(tmp_path))
+    fresh = ClientStates(directory=tmp_path)
+    fresh.restore(index)
+    assert fresh.memory == 0 and fresh.tag_of(4) == 4 and fresh.tag_of(5) == 1
+    assert torch.equal(fresh[4]["w"], store[4]["w"]) and torch.equal(fresh[49]["w"], store[49]["w"])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
+def test_a_damaged_state_file_is_a_one_line_error_naming_the_client(tmp_path, damage):
+    store = ClientStates(budget=0, directory=tmp_path)
+    store.tag = 3
+    store[7] = {"w": torch.ones(100)}
+    index = store.commit()
+    path = tmp_path / state_name(7, 3)
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:50])
+    elif damage == "garbage":
+        path.write_bytes(b"\0" * 300)
+    else:
+        path.unlink()
+    fresh = ClientStates(directory=tmp_path)
+    fresh.restore(index)
+    with pytest.raises(ConfigError) as e:
+        fresh[7]
+    msg = str(e.value)
+    assert "client 7's state" in msg and "\n" not in msg
+
+
+def test_byte_sizes():
+    assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("1.5GiB") == int(1.5 * 2**30)
+    assert parse_bytes("0") == 0 and parse_bytes(512) == 512 and parse_bytes("64 mb") == 64 * 10**6
+    for bad in ("lots", "-1GB", "2XB"):
+        with pytest.raises(ConfigError, match="byte size"):
+            parse_bytes(bad)
+
+
+# ---------------------------------------------------------------------------------------------- in runs
+_FED: dict = {}
+QUICK = dict(rounds=3, eval_every=3, local_epochs=1, participation=0.5)
+
+
+def _sim(method: str, budget=None, **over) -> Simulation:
+    cfg = small_config(method=method, params=method_test_params(method), **{**QUICK, **over})
+    if "fed" not in _FED:
+        _FED["fed"] = federation_for(cfg)
+    pr = prepare(cfg, _FED["fed"])
+    ec = EngineConfig.of(cfg, progress=False)
+    if budget is not None:
+        ec.client_state_memory = budget
+    return Simulation(pr.method, pr.fed, ec)
+
+
+def _writes_state(name: str) -> bool:
+    """Whether a method keeps client state: its init_client returns some, or a client's training or
+    post-training phase writes some (one client, one round: a probe, not a run)."""
+    sim = _sim(name)
+    m, data = sim.method, sim.fed.clients[0]
+    if m.init_client(0, data):
+        return True
+    state = m.init_server()
+    reply, cs = m.local_train(m.configure(state, 1, 0), {}, data, client_generator(0, TRAIN, 1, 0))
+    if cs:
+        return True
+    state = m.aggregate(state, 1, [(0, reply)])
+    for phase in m.phases:  # each phase after the one before it, as the driver runs them
+        reply, cs = m.phase_client(phase, m.phase_configure(phase, state, 0), {}, data,
+                                   client_generator(0, TRAIN, 1, 0))
+        if cs:
+            return True
+        state = m.phase_aggregate(phase, state, [(0, reply)])
+    return False
+
+
+STATEFUL = [name for name in METHODS.names() if _writes_state(name)]
+
+
+def test_the_stateful_methods_are_found():
+    assert {"ditto", "moon", "fedloge", "scaffold", "fedrep", "fedbn", "local"} <= set(STATEFUL)
+    assert "fedavg" not in STATEFUL and "fedprox" not in STATEFUL
+
+
+def _strip(ev):
+    return {k: v for k, v in ev.items() if k != "eval_time"}
+
+
+@pytest.mark.parametrize("method", STATEFUL)
+def test_a_run_whose_states_are_spilled_and_read_back_ends_as_one_held_in_memory(method):
+    """Budget 0: every state is written out as soon as it is stored and read back whenever its client is needed
+    again; the run's every number is the one of the run that keeps them all in memory."""
+    held, spilled = _sim(method), _sim(method, budget=0)
+    a, b = held.run(), spilled.run()
+    assert _strip(a) == _strip(b), method
+    assert [h.get("train_loss") for h in held.history] == [h.get("train_loss") for h in spilled.history]
+    assert spilled.client_states.spilled > 0 and spilled.client_states.memory == 0
+    assert held.client_states.spilled == 0
+
+
+def test_only_the_clients_that_trained_have_a_state_and_pm_is_over_the_evaluation_sample():
+    sim = _sim("ditto", clients=6, participation=1 / 6, rounds=2, eval_every=2)
+    sim.cfg.eval_clients = 3
+    from fedlt.engine.driver import eval_sample
+
+    sim.eval_clients = eval_sample(6, 3, sim.cfg.seed)
+    ev = sim.run()
+    trained = sorted({c for r in sim.schedule for c in r})
+    assert sorted(sim.client_states) == trained and len(trained) <= 2
+    assert ev["eval_clients"] == {"sampled": 3, "of": 6}
+    assert len(ev["personal"]["personal"]["per_client"]) == 3 - ev["untested"]
+    assert eval_sample(6, 6, 0) == list(range(6)) and len(set(eval_sample(1000, 0.05, 0))) == 50
+
+
+# ---------------------------------------------------------------------------------------------- kill -9
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {src!r})
+    import fedlt.engine.clientstate as cs
+    from fedlt import experiment
+    from fedlt.config import RunConfig
+
+    real, seen = cs.save_tree, [0]
+
+    def dying(path, obj, kind, durable=True):
+        seen[0] += 1
+        if seen[0] == {kill_at}:  # half a state written, then the process is gone
+            with open(str(path) + f".{{os.getpid()}}.tmp", "wb") as f:
+                f.write(b"half a state")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, obj, kind, durable)
+
+    cs.save_tree = dying
+    cfg = RunConfig(**{cfg!r})
+    cfg.client_state_memory = 0
+    experiment.run(cfg, progress=False, checkpoint_every=1, echo=lambda *a: None)
+""")
+
+
+def _run_cfg(tmp_path, name):
+    cfg = small_config(method="fedloge", **{**QUICK, "rounds": 4, "eval_every": 2}, out=str(tmp_path), name=name,
+                       threads=1)
+    return cfg
+
+
+def test_kill_9_during_a_spill_then_resume_ends_as_the_uninterrupted_run(tmp_path):
+    ref = experiment.run(_run_cfg(tmp_path, "ref"), progress=False, echo=lambda *a: None)
+    cfg = _run_cfg(tmp_path, "killed")
+    # 3 clients a round, each state spilled when stored, plus the commit of each round's checkpoint: the 9th
+    # write is during round 3, after the checkpoints of rounds 1 and 2
+    code = CHILD.format(src=SRC, kill_at=9, cfg=cfg.to_dict())
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == -9, p.stderr[-2000:]
+    run_dir = tmp_path / "killed"
+    assert (run_dir / "checkpoint.safetensors").is_file() and not (run_dir / "summary.json").exists()
+    assert any(n.endswith(".tmp") for n in os.listdir(run_dir / "client-states"))
+    out = experiment.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1, resume=True)
+    assert out["resumed_after_round"] in (1, 2)
+    assert _strip(out["final"]) == _strip(ref["final"])
+    hist = lambda d: [{k: v for k, v in json.loads(x).items() if "time" not in k}  # noqa: E731
+                      for x in (d / "metrics.jsonl").read_text().splitlines()]
+    strip_eval = lambda rows: [{k: (_strip(v) if isinstance(v, dict) and "global" in v else v)  # noqa: E731
+                                for k, v in r.items()} for r in rows]
+    assert strip_eval(hist(run_dir)) == strip_eval(hist(tmp_path / "ref"))
+    assert not (run_dir / "client-states").exists()  # a finished run keeps no client state
+
+
+def test_resuming_with_a_damaged_state_file_stops_with_one_line_naming_the_client(tmp_path):
+    cfg = _run_cfg(tmp_path, "damaged")
+    code = CHILD.format(src=SRC, kill_at=9, cfg=cfg.to_dict())
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    run_dir = tmp_path / "damaged"
+    ck = load_tree(run_dir / "checkpoint.safetensors", "checkpoint")
+    cid, tag = min(ck["sim"]["client_states"]["versions"].items())  # a state the checkpoint refers to
+    victim = run_dir / "client-states" / state_name(cid, tag)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    argv = ["run", "--method", "fedloge", "--dataset", "digits", "--rho", "10", "--alpha", "1", "--clients", "6",
+            "--participation", "0.5", "--rounds", "4", "--eval-every", "2", "--local-epochs", "1",
+            "--batch-size", "16", "--lr", "0.05", "--model", "smallcnn", "--out", str(tmp_path),
+            "--name", "damaged", "--resume", "--no-progress", "--threads", "1"]
+    p = subprocess.run([sys.executable, "-m", "fedlt", *argv], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": SRC})
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and f"client {cid}'s state" in err[0], p.stderr
