@@ -262,3 +262,36 @@ def test_resuming_with_a_damaged_state_file_stops_with_one_line_naming_the_clien
     assert p.returncode == 2, p.stderr[-2000:]
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and f"client {cid}'s state" in err[0], p.stderr
+
+
+# ---------------------------------------------------------------------------------------------- scale
+def test_per_client_test_data_from_the_clients_own_samples_leaf_split():
+    from fedlt.data.federated import own_test_split
+
+    cfg = small_config(clients=6)
+    plain, own = federation_for(cfg), experiment.build_federation(
+        cfg.dataset, None, cfg.imbalance_ratio, None, 3, None, cfg.partition, cfg.clients, cfg.seed, "cpu",
+        cfg.partition_kw(), client_test_fraction=0.25)
+    for k in range(6):
+        a, b = plain.clients[k], own.clients[k]
+        both = np.concatenate([b.train_index, b.test_index])
+        assert sorted(both) == sorted(a.train_index)  # the client's samples, split between training and tests
+        assert len(b.test_y) == len(a) - max(1, int(0.75 * len(a)))
+        assert torch.equal(b.test_y, torch.as_tensor(own.dataset.y_train.numpy()[b.test_index]))
+        assert not b.tests_on_test_set
+    assert own.counts.sum() == sum(len(c) for c in own.clients) < plain.counts.sum()
+    tr, te = own_test_split(np.arange(2), 0.1, 0, 0)
+    assert len(tr) == len(te) == 1 and len(own_test_split(np.arange(1), 0.5, 0, 0)[1]) == 0
+    cfg_pm = small_config(method="fedrep", rounds=2, eval_every=2, local_epochs=1)
+    pr = prepare(cfg_pm, own)
+    ev = Simulation(pr.method, pr.fed, EngineConfig.of(cfg_pm, progress=False)).run()
+    assert len(ev["personal"]["personal"]["per_client"]) == 6 and ev["untested"] == 0
+
+
+def test_a_federation_of_many_clients_costs_its_indices_not_a_client_object_each():
+    fed = experiment.build_federation("synthetic", None, 1.0, "none", 3, None, "iid", 20_000, 0, "cpu", {},
+                                      {"n_per_class": 2_000})
+    assert len(fed.clients) == 20_000 and len(fed.clients._views) == 0
+    c = fed.clients[19_999]
+    assert c.client_id == 19_999 and len(c) == 1 and fed.clients[-1] is c
+    assert sum(map(len, fed.train_indices())) == 20_000 and len(fed.test_sizes()) == 20_000

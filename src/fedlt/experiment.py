@@ -58,7 +58,8 @@ def lt_profile_of(cfg: RunConfig, fed: Federation) -> str:
 def federation_for(cfg: RunConfig) -> Federation:
     return build_federation(cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes,
                             cfg.n_max, cfg.partition, cfg.clients, cfg.seed, cfg.device, cfg.partition_kw(),
-                            cfg.dataset_kw(), placement_mode=cfg.data_placement, partition_file=cfg.partition_file)
+                            cfg.dataset_kw(), placement_mode=cfg.data_placement, partition_file=cfg.partition_file,
+                            client_test_fraction=float(getattr(cfg, "client_test_fraction", 0.0) or 0.0))
 
 
 def set_determinism(on: bool) -> None:
@@ -117,7 +118,7 @@ def write_partition(out: Path, fed: Federation, test_sizes: list[int]) -> None:
     partition file (``--partition-file``, :mod:`fedlt.data.split`) that re-creates the run's clients."""
     doc = {"train_counts": fed.train_counts, "client_class_counts": fed.counts, "client_test_sizes": test_sizes}
     if fed.clients:
-        doc.update(partition_document(fed.dataset.name, len(fed.dataset.y_train), [c.train_index for c in fed.clients]))
+        doc.update(partition_document(fed.dataset.name, len(fed.dataset.y_train), fed.train_indices()))
     write_json(out / "partition.json", doc)
 
 
@@ -182,7 +183,7 @@ def _run_locked(cfg, pr: Prepared, out: Path, progress, echo, checkpoint_every, 
     config = {**cfg.to_dict(), "model": pr.spec.model, "lt_profile_used": lt_profile_of(cfg, fed),
               "method_params": vars(method.p), "engine": "simulation"}
     sim = Simulation(method, fed, EngineConfig.of(cfg, progress))
-    return run_recorded(sim, cfg, out, config, fed, [len(c.test_y) for c in fed.clients], echo,
+    return run_recorded(sim, cfg, out, config, fed, fed.test_sizes(), echo,
                         checkpoint_every=checkpoint_every, resume=resume, labels=labels, intro=fed.summary())
 
 

@@ -1,8 +1,10 @@
 """A federation: the long-tailed training set split over clients, plus the test sets for GM and PM."""
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -31,6 +33,59 @@ def placement(nbytes: int, device: str, mode: str = "auto", free_bytes: int | No
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(torch.device(device))[0]
     return "device" if nbytes <= budget * free_bytes else "host"
+
+
+class Ragged:
+    """A list of integer arrays kept as one array and offsets (what K clients' index lists cost: their indices,
+    not K arrays)."""
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
+        self.flat, self.offsets = flat, offsets
+
+    @classmethod
+    def of(cls, arrays: list[np.ndarray]) -> "Ragged":
+        offsets = np.zeros(len(arrays) + 1, np.int64)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        flat = np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0, np.int64)
+        return cls(flat, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        return self.flat[self.offsets[k]:self.offsets[k + 1]]
+
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+class Clients(Sequence):
+    """A federation's clients as :class:`ClientData` views made when a client is needed (and the most recently
+    used ``cache`` of them kept), so a population of 100,000 costs its index arrays, not 100,000 objects."""
+
+    def __init__(self, make: Callable[[int], "ClientData"], n: int, cache: int = 1024):
+        self._make, self._n, self._cache = make, n, cache
+        self._views: OrderedDict[int, ClientData] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._n))]
+        k = int(k)
+        if k < 0:
+            k += self._n
+        if not 0 <= k < self._n:
+            raise IndexError(f"client {k} of {self._n}")
+        view = self._views.get(k)
+        if view is None:
+            view = self._views[k] = self._make(k)
+            if len(self._views) > self._cache:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(k)
+        return view
 
 
 class Prep:
@@ -171,6 +226,20 @@ class Federation:
     test_x: torch.Tensor | None = None  # the balanced test set, on the store's device (None: the dataset's)
     test_y: torch.Tensor | None = None
     where: str = "device"  # placement of the sample store: "device" or "host"
+    layout: tuple | None = None  # (kept training indices, clients' positions in them, test indices): Ragged
+
+    def train_indices(self) -> list[np.ndarray]:
+        """Every client's training samples, as indices of the dataset's training split."""
+        if self.layout is not None:
+            keep, train, _ = self.layout
+            return [keep[train[k]] for k in range(len(train))]
+        return [c.train_index for c in self.clients]
+
+    def test_sizes(self) -> list[int]:
+        """How many test samples each client has."""
+        if self.layout is not None:
+            return self.layout[2].sizes().tolist()
+        return [len(c.test_y) for c in self.clients]
 
     @property
     def num_classes(self) -> int:
@@ -246,19 +315,42 @@ def rows_to(t: torch.Tensor, rows: torch.Tensor | None, device, chunk_bytes: int
     return out
 
 
-def client_test_index(counts: np.ndarray, test_y: np.ndarray, seed: int, client_id: int) -> np.ndarray:
+def client_test_index(counts: np.ndarray, test_y: np.ndarray, seed: int, client_id: int,
+                      pools: list[np.ndarray] | None = None, n_total: int | None = None) -> np.ndarray:
     """FedLoGe's local test set: t_c = floor(n_{k,c} / N * n_test) test images of class c, drawn without
     replacement from the balanced test set (capped at what the test set holds), independently per client.
-    ``counts`` is the [K, C] matrix; N its total."""
-    n_total = counts.sum()
-    rng = np.random.default_rng([seed, 6, client_id])
+    ``counts`` is the [K, C] matrix; N its total (``n_total``, summed once for all clients). ``pools``: each
+    class's test indices (:func:`class_pools`), found once for all clients."""
+    n_total = counts.sum() if n_total is None else n_total
     out = []
+    rng = None
     for c, n in enumerate(counts[client_id]):
         t = int(np.floor(n / n_total * len(test_y)))
         if t > 0:
-            pool = np.flatnonzero(test_y == c)
+            rng = rng or np.random.default_rng([seed, 6, client_id])
+            pool = pools[c] if pools is not None else np.flatnonzero(test_y == c)
             out.append(rng.choice(pool, size=min(t, len(pool)), replace=False))
     return np.sort(np.concatenate(out)) if out else np.zeros(0, np.int64)
+
+
+def class_pools(y: np.ndarray, num_classes: int) -> list[np.ndarray]:
+    """The indices of each class's samples in ``y``."""
+    order = np.argsort(y, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(y, minlength=num_classes))[:-1])
+
+
+def own_test_split(part: np.ndarray, fraction: float, seed: int, client_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """LEAF's per-user split of one client's samples (``split_data.py``): a client with at least 2 samples keeps
+    ``max(1, floor((1 - fraction) * n))`` of them, drawn at random (seeded per client), for training and tests on
+    the rest; a client with fewer keeps its one sample for training and has no test set (LEAF drops such users;
+    fedlt keeps every client). Returns (train, test), each in the client's sample order."""
+    n = len(part)
+    if fraction <= 0 or n < 2:
+        return part, part[:0]
+    n_train = 1 if n == 2 else max(1, int((1 - fraction) * n))
+    train = np.zeros(n, bool)
+    train[np.random.default_rng([seed, 14, client_id]).choice(n, size=n_train, replace=False)] = True
+    return part[train], part[~train]
 
 
 def check_clients(parts: list, clients: int) -> None:
@@ -273,15 +365,27 @@ def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None
                      lt_profile: str | None = "exp", tail_classes: int = 3, n_max: int | None = None,
                      partition_name: str = "dirichlet", clients: int = 20, seed: int = 0, device: str = "cpu",
                      partition_kw: dict | None = None, dataset_kw: dict | None = None,
-                     placement_mode: str = "auto", partition_file: str | None = None) -> Federation:
+                     placement_mode: str = "auto", partition_file: str | None = None,
+                     client_test_fraction: float = 0.0) -> Federation:
     """Load a dataset, make it long-tailed, split it over clients (or take the clients of a partition file,
     see :mod:`fedlt.data.split`) and draw each client's test set. The samples are stored once (see
-    :func:`placement`); clients hold rows into that store. ``lt_profile`` None: the dataset's default."""
+    :func:`placement`); clients hold rows into that store. ``lt_profile`` None: the dataset's default.
+
+    ``client_test_fraction`` F > 0: each client's test set is a fraction F of its own samples
+    (:func:`own_test_split`, LEAF's per-user split), taken out of its training data, instead of its share of
+    the balanced test set (or, for a natural partition, its own test samples); the balanced test set stays
+    GM's."""
+    if not 0 <= client_test_fraction < 1:
+        raise ConfigError(f"client-test-fraction must be in [0, 1), got {client_test_fraction:g}")
     ds = load_dataset(dataset, data_dir, **(dataset_kw or {}))
     y = ds.y_train.numpy()
     sp = split_training_set(ds, lt_profile, imbalance_ratio, n_max, tail_classes, partition_name, clients, seed,
                             partition_kw, partition_file)
     keep, parts = sp.keep, sp.parts
+    own_tests = None
+    if client_test_fraction > 0:
+        split = [own_test_split(p, client_test_fraction, seed, k) for k, p in enumerate(parts)]
+        parts, own_tests = [a for a, _ in split], [b for _, b in split]
     lt_profile = lt_profile or default_lt_profile(dataset, partition_name, partition_file)
     ylt = y[keep]
     counts = count_matrix(ylt, parts, ds.num_classes)
@@ -299,13 +403,27 @@ def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None
     else:  # host: the dataset's own tensors (possibly memory-mapped), never copied per client
         src, test = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)
         rows_of = lambda p: torch.from_numpy(keep[p])  # noqa: E731  (rows of the dataset)
-    clients_data = []
-    for k, p in enumerate(parts):
-        tidx = client_test_index(counts, test_y, seed, k) if sp.test_index is None else sp.test_index[k]
-        clients_data.append(ClientData(k, *src, ds.num_classes, prep, *test, tidx, rows=rows_of(p),
-                                       test_rows=torch.from_numpy(tidx).to(test[0].device), train_index=keep[p]))
+    if own_tests is None:  # each client's share of the balanced test set (or a natural partition's own tests)
+        pools = class_pools(test_y, ds.num_classes) if sp.test_index is None else None
+        n_total = int(counts.sum())
+        tests = sp.test_index or [client_test_index(counts, test_y, seed, k, pools, n_total) for k in range(len(parts))]
+    else:
+        tests = own_tests
+    ragged = Ragged.of(parts), Ragged.of(tests)
+    del parts, tests
+
+    def view(k: int) -> ClientData:
+        p, t = ragged[0][k], ragged[1][k]
+        if own_tests is not None:  # test samples from the client's own data, in the training store
+            return ClientData(k, *src, ds.num_classes, prep, *src, keep[t], rows=rows_of(p), test_rows=rows_of(t),
+                              train_index=keep[p], tests_on_test_set=False)
+        return ClientData(k, *src, ds.num_classes, prep, *test, t, rows=rows_of(p),
+                          test_rows=torch.from_numpy(t).to(test[0].device), train_index=keep[p])
+
+    clients_data = Clients(view, len(ragged[0]))
     settings = dict(dataset=dataset, imbalance_ratio=imbalance_ratio, lt_profile=lt_profile,
                     partition=partition_name, clients=clients, seed=seed, partition_file=partition_file,
-                    **(partition_kw or {}))
+                    **(partition_kw or {}), **({"client_test_fraction": client_test_fraction}
+                                               if client_test_fraction else {}))
     return Federation(ds, clients_data, np.bincount(ylt, minlength=ds.num_classes), counts, prep, settings,
-                      *test, where=where)
+                      *test, where=where, layout=(keep, *ragged))
