@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,9 +269,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
                                          "clients": client_heads(driver.transport, fed, C)})
     write_json(out / "summary.json", summary)
     remove_checkpoints(out)
-    states = getattr(driver.transport, "client_states", None)
-    if keep_states is not None and states is not None:  # a finished run keeps no client state (as no checkpoint)
-        states.clear()
+    shutil.rmtree(out / CLIENT_STATES, ignore_errors=True)  # a finished run keeps no client state (nor checkpoint)
     echo(format_summary(summary))
     return summary
 

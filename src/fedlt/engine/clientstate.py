@@ -101,8 +101,9 @@ class ClientStates(MutableMapping):
     transport before each exchange). A mapping: ``states[cid]`` reads a spilled state back, ``states[cid] =
     s`` stores a new version tagged ``self.tag``; iteration is in client order."""
 
-    def __init__(self, budget: int = DEFAULT_BUDGET, directory: str | os.PathLike | None = None):
-        self.budget = int(budget)
+    def __init__(self, budget: int = DEFAULT_BUDGET, directory: str | os.PathLike | None = None,
+                 hint: str = "delete the run directory to start the run afresh"):
+        self.budget, self.hint = int(budget), hint
         self.tag = 0  # the round the states written now reflect
         self._held: OrderedDict[int, _Held] = OrderedDict()  # in memory, least recently used first
         self._used = 0
@@ -198,16 +199,20 @@ class ClientStates(MutableMapping):
         path = self._folder() / state_name(cid, tag)
         if tag not in self._files.get(cid, {}) or not path.is_file():
             raise ConfigError(f"client {cid}'s state (round {tag}) is missing: {path} not found; the run cannot "
-                              f"go on without it (delete the run directory to start the run afresh)")
+                              f"go on without it ({self.hint})")
         try:
             state = load_tree(path, KIND)
         except ConfigError as e:
             raise ConfigError(f"client {cid}'s state cannot be read: {e}; the run cannot go on without it "
-                              f"(delete the run directory to start the run afresh)") from None
+                              f"({self.hint})") from None
         if not isinstance(state, dict):
             raise ConfigError(f"client {cid}'s state in {path} is not a client state (it holds a "
-                              f"{type(state).__name__}); delete the run directory to start the run afresh")
+                              f"{type(state).__name__}); {self.hint}")
         return state
+
+    def path_of(self, cid: int) -> Path:
+        """The file of client ``cid``'s current state (once written)."""
+        return self._folder() / state_name(cid, self._tags[cid])
 
     def _pinned(self, cid: int) -> set[int]:
         return {c[cid] for c in self._commits if cid in c}
@@ -297,6 +302,17 @@ class ClientStates(MutableMapping):
                 os.unlink(entry.path)
         self._commits = [versions]
         self.tag = max(versions.values(), default=0)
+
+    def reopen(self) -> None:
+        """Take the newest version of every client's state in the directory as its current one (a SuperNode's
+        ``--state-dir`` after a restart: no checkpoint index says which)."""
+        found: dict[int, int] = {}
+        for entry in os.scandir(self._folder()):
+            m = _FILE.match(entry.name)
+            if m:
+                cid, tag = int(m.group(1)), int(m.group(2))
+                found[cid] = max(found.get(cid, tag), tag)
+        self.restore({"versions": found})
 
     def clear(self) -> None:
         """Forget every state and remove every file (a finished run's store)."""

@@ -34,6 +34,12 @@ class InProcess:
             return self.client_states[cid]
         return self.method.init_client(cid, self.fed.clients[cid])
 
+    def keep(self, cid: int, cstate: dict) -> None:
+        """Store what a client hook returned (an empty state of a client that has none is not stored: a
+        stateless method's clients cost nothing, even in a phase that reaches every client)."""
+        if cstate or cid in self.client_states:
+            self.client_states[cid] = cstate
+
     def keep_states_in(self, directory, fresh: bool = False) -> None:
         self.client_states.attach(directory, fresh)
 
@@ -58,7 +64,8 @@ class InProcess:
         for cid, payload in payloads.items():
             gen = client_generator(self.seed, purpose, index, cid)
             with autocast(m.spec):
-                reply, self.client_states[cid] = call(payload, self.client_state(cid), self.fed.clients[cid], gen)
+                reply, cstate = call(payload, self.client_state(cid), self.fed.clients[cid], gen)
+            self.keep(cid, cstate)
             replies.append((cid, reply))
         return replies, {}
 
@@ -115,7 +122,8 @@ class Batched(InProcess):
             self.fitted = fitted
         replies = []
         for c, out in zip(cids, trained):
-            reply, self.client_states[c] = m.local_reply(payloads[c], states[c], data[c], out)
+            reply, cstate = m.local_reply(payloads[c], states[c], data[c], out)
+            self.keep(c, cstate)
             replies.append((c, reply))
         return replies, {}
 

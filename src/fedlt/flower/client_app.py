@@ -186,11 +186,12 @@ class Node:
         cstate = load_client_state(context.state, self.cid, self.state_dir, self.run_id)
         if cstate is None:
             cstate = self.method.init_client(self.cid, self.data)
-            self.save(context, cstate)
+            self.save(context, cstate, 0)
         return cstate
 
-    def save(self, context: Context, cstate: dict) -> None:
-        save_client_state(context.state, cstate, self.cid, self.state_dir, self.run_id)
+    def save(self, context: Context, cstate: dict, tag: int) -> None:
+        """Keep the client state, tagged with the round it reflects (a phase's: after the last round)."""
+        save_client_state(context.state, cstate, self.cid, self.state_dir, self.run_id, tag)
 
     def reply(self, msg: FlwrMessage, fm: Message | None = None, **fields_) -> FlwrMessage:
         rd = to_records(fm if fm is not None else Message(), {"client-id": self.cid, **fields_}, "reply")
@@ -215,7 +216,7 @@ def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
     with autocast(node.method.spec):
         reply, cstate = node.method.local_train(from_records(msg.content), node.client_state(context), node.data,
                                                 gen)
-    node.save(context, cstate)
+    node.save(context, cstate, rnd)
     return node.reply(msg, reply)
 
 
@@ -229,7 +230,7 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
     with autocast(node.method.spec):
         reply, cstate = node.method.phase_client(name, from_records(msg.content), node.client_state(context),
                                                  node.data, gen)
-    node.save(context, cstate)
+    node.save(context, cstate, node.job.cfg.rounds + 1 + index)
     return node.reply(msg, reply)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from ..core.api import Message
-from ..safefile import load_tree, save_tree
+from ..engine.clientstate import ClientStates
 from .codec import pack, unpack
 
 CONTROL = "fedlt"
@@ -72,19 +72,46 @@ def records_value(cfg: ConfigRecord, arr: ArrayRecord) -> Any:
 
 
 # ------------------------------------------------------------------------- client state
+_STORES: dict[Path, ClientStates] = {}  # a process's --state-dir stores, one per (folder, run)
+
+
+def node_store(state_dir: str | os.PathLike, run_id: int) -> ClientStates:
+    """The client-state store (:mod:`fedlt.engine.clientstate`) of a SuperNode's ``--state-dir`` for one run
+    (``run-<id>/``): every state written through and flushed when stored (``context.state`` is the memory),
+    each version tagged with its round; after a restart, each client's newest version is its state."""
+    d = Path(state_dir) / f"run-{run_id}"
+    store = _STORES.get(d)
+    if store is None:
+        store = ClientStates(budget=0, directory=d, hint=f"delete {d} to start its clients afresh")
+        store.reopen()
+        _STORES[d] = store
+    return store
+
+
 def state_file(state_dir: str | os.PathLike, run_id: int, cid: int) -> Path:
-    return Path(state_dir) / f"run-{run_id}" / f"client-{cid}.safetensors"
+    """The file holding client ``cid``'s current state in a ``--state-dir``."""
+    return node_store(state_dir, run_id).path_of(cid)
 
 
-def save_client_state(state: RecordDict, cstate: dict, cid: int, state_dir=None, run_id: int = 0) -> None:
-    """Store a client state in ``context.state`` (and in ``state_dir`` when given, written atomically)."""
+def save_client_state(state: RecordDict, cstate: dict, cid: int, state_dir=None, run_id: int = 0,
+                      tag: int = 0) -> None:
+    """Store a client state in ``context.state`` (and in ``state_dir`` when given, flushed to disk), tagged with
+    the round it reflects."""
     cfg, arr = value_records(cstate, f"client {cid} state")
-    cfg["client-id"] = int(cid)
+    cfg["client-id"], cfg["round"] = int(cid), int(tag)
     state[CSTATE], state[CSTATE_ARRAYS] = cfg, arr
     if state_dir:
-        path = state_file(state_dir, run_id, cid)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_tree(path, cstate, "client-state")
+        store = node_store(state_dir, run_id)
+        store.tag = int(tag)
+        store[int(cid)] = cstate
+        store.commit()
+
+
+def state_tag(state: RecordDict, cid: int) -> int | None:
+    """The round of the client state kept in ``context.state`` (None: none is kept there)."""
+    if CSTATE in state and int(state[CSTATE]["client-id"]) == int(cid):
+        return int(state[CSTATE].get("round", 0))
+    return None
 
 
 def load_client_state(state: RecordDict, cid: int, state_dir=None, run_id: int = 0) -> dict | None:
@@ -93,7 +120,7 @@ def load_client_state(state: RecordDict, cid: int, state_dir=None, run_id: int =
     if CSTATE in state and int(state[CSTATE]["client-id"]) == int(cid):
         return records_value(state[CSTATE], state[CSTATE_ARRAYS])
     if state_dir:
-        path = state_file(state_dir, run_id, cid)
-        if path.is_file():
-            return load_tree(path, "client-state", f"delete {path} to start client {cid} afresh")
+        store = node_store(state_dir, run_id)
+        if int(cid) in store:
+            return store[int(cid)]
     return None

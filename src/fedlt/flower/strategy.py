@@ -35,13 +35,14 @@ from ..core.api import Message, Method
 from ..data import Federation
 from ..data.datasets import load_dataset
 from ..data.federated import Prep
+from ..engine.clientstate import ClientStates
 from ..engine.driver import TRAINING, Driver, EngineConfig, is_eval_round
 from ..errors import ConfigError
 from ..experiment import make_spec, run_dir_for, run_recorded
 from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
 from ..plugins import method_class
 from .client_app import global_state_records, job_text
-from .records import control, from_records, load_client_state, save_client_state, to_records
+from .records import control, from_records, load_client_state, save_client_state, state_tag, to_records
 
 
 class FedltStrategy(Strategy):
@@ -270,6 +271,7 @@ class GridTransport:
 
     def __init__(self, strategy: FedltStrategy, grid: Grid | None = None):
         self.st, self.grid = strategy, grid
+        self.store: ClientStates | None = None  # the run directory's copy of the client states (checkpoints)
 
     def reachable(self, cids) -> dict[int, str]:
         self.st.connect(self.grid, wait=False)  # SuperNodes that (re)appeared since the last round
@@ -293,19 +295,38 @@ class GridTransport:
     @property
     def client_states(self) -> dict:
         """The client states within reach (an in-process grid's nodes), by client id."""
-        return self.state_dict()
-
-    def _contexts(self) -> dict:
-        return getattr(self.grid, "contexts", {})  # in-process nodes; a SuperLink's are out of reach
-
-    def state_dict(self) -> dict:
         ctxs = self._contexts()
         states = {cid: load_client_state(ctxs[n].state, cid) for cid, n in sorted(self.st.nodes.items()) if n in ctxs}
         return {cid: s for cid, s in states.items() if s is not None}
 
+    def _contexts(self) -> dict:
+        return getattr(self.grid, "contexts", {})  # in-process nodes; a SuperLink's are out of reach
+
+    def keep_states_in(self, directory, fresh: bool = False) -> None:
+        """Checkpoints of an in-process grid's client states go to ``directory``, incrementally: a state is
+        copied there when its round tag changed since the last checkpoint."""
+        self.store = ClientStates(budget=0)
+        self.store.attach(directory, fresh)
+
+    def state_dict(self) -> dict:
+        ctxs, store = self._contexts(), self.store
+        if store is None:
+            return self.client_states
+        for cid, n in sorted(self.st.nodes.items()):
+            tag = state_tag(ctxs[n].state, cid) if n in ctxs else None
+            if tag is not None and (cid not in store or store.tag_of(cid) != tag):
+                store.tag = tag
+                store[cid] = load_client_state(ctxs[n].state, cid)
+        return store.commit()
+
     def load_state_dict(self, d: dict) -> None:
-        ctxs = self._contexts()
-        for cid, cstate in d.items():
+        ctxs, d = self._contexts(), dict(d)
+        if "versions" in d:  # an index of the run directory's store
+            self.store.restore(d)
+            states = {cid: (self.store[cid], self.store.tag_of(cid)) for cid in self.store}
+        else:
+            states = {int(cid): (cstate, 0) for cid, cstate in d.items()}
+        for cid, (cstate, tag) in states.items():
             node = self.st.nodes.get(int(cid))
             if node in ctxs:
-                save_client_state(ctxs[node].state, cstate, int(cid))
+                save_client_state(ctxs[node].state, cstate, int(cid), tag=tag)
