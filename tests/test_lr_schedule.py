@@ -5,10 +5,12 @@ import json
 import math
 
 import pytest
+import torch
 
 from fedlt.cli import main
 from fedlt.config import RunConfig, load_config, lr_at
 from fedlt.errors import ConfigError
+from fedlt.registry import METHODS
 
 
 def test_step_schedule_decays_after_each_milestone_like_multisteplr():
@@ -115,3 +117,79 @@ def test_flower_clients_follow_the_schedule_like_the_simulation(tmp_path):
     constant = sim_state(cfg, schedule=False)  # and the schedule changed the outcome
     assert max((constant[k] - v).abs().max().item() for k, v in sim.items()) > 1e-4
     assert [h["lr"] for h in st.history] == [0.05, pytest.approx(0.005)]
+
+
+# ------------------------------------------------------------------------- the round's lr rides in the message
+def test_the_rounds_lr_is_in_every_message_and_the_spec_never_changes():
+    """In-process: every training payload carries lr_at(round) in its config and every phase payload the last
+    round's; the method's spec ends the run exactly as it began (nothing writes the lr into it)."""
+    from dataclasses import asdict
+
+    from conftest import method_test_params, small_config
+    from fedlt.engine import EngineConfig, Simulation
+    from fedlt.experiment import prepare
+
+    cfg = small_config(method="fedloge", params=method_test_params("fedloge"), rounds=3, eval_every=3,
+                       local_epochs=1, lr_schedule="step", lr_milestones="1,2", lr_gamma=0.5)
+    pr = prepare(cfg)
+    before = asdict(pr.method.spec)
+    sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+    seen, send = [], sim.transport.send_and_receive
+
+    def spy(kind, index, payloads):
+        seen.append((kind, index, sorted({p.lr for p in payloads.values()})))
+        return send(kind, index, payloads)
+
+    sim.transport.send_and_receive = spy
+    sim.run()
+    assert seen == [("train", 1, [0.05]), ("train", 2, [0.025]), ("train", 3, [0.0125]),
+                    ("ga-fr", 0, [0.0125]), ("la-fr", 1, [0.0125])]
+    assert asdict(pr.method.spec) == before and pr.method.spec.lr == 0.05
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("method", METHODS.names())
+def test_every_method_trains_at_the_lr_its_message_carries(method):
+    """Method A's spec says lr 0.04, then 0.01 from round 2 on; method B's says 0.01 throughout. A's round-2
+    payloads carry 0.01 (as the driver sends them), B's carry nothing (its spec's lr applies): every reply,
+    the aggregated server state (server-side training takes the round's lr from the schedule) and every phase
+    are bit for bit the same. A client hook that read its lr from the spec instead of the message fails here."""
+    from conftest import method_test_params, small_config
+    from fedlt.engine.driver import PHASE, TRAIN, client_generator
+    from fedlt.experiment import federation_for, prepare
+
+    over = dict(method=method, params=method_test_params(method), rounds=2, local_epochs=1, clients=4)
+    cfg_a = small_config(lr=0.04, lr_schedule="step", lr_milestones="1", lr_gamma=0.25, **over)
+    lr2 = lr_at(cfg_a, 2)
+    cfg_b = small_config(lr=lr2, **over)
+    fed = _FED.setdefault("fed", federation_for(cfg_a))
+    a, b = prepare(cfg_a, fed).method, prepare(cfg_b, fed).method
+    assert a.spec.lr != b.spec.lr
+    sa, sb = a.init_server(), b.init_server()
+    ca, cb = a.init_client(0, fed.clients[0]), b.init_client(0, fed.clients[0])
+    ra, ca = a.local_train(a.configure(sa, 2, 0).with_config({"lr": lr2}), ca, fed.clients[0],
+                           client_generator(0, TRAIN, 2, 0))
+    rb, cb = b.local_train(b.configure(sb, 2, 0), cb, fed.clients[0], client_generator(0, TRAIN, 2, 0))
+    assert _same(ra.arrays, rb.arrays) and _same(ra.meta, rb.meta) and _same(ca, cb), f"{method}: round 2 reply"
+    sa, sb = a.aggregate(sa, 2, [(0, ra)]), b.aggregate(sb, 2, [(0, rb)])
+    assert _same(sa, sb), f"{method}: server state after round 2"
+    for i, phase in enumerate(a.phases):
+        pa = a.phase_configure(phase, sa, 0).with_config({"lr": lr2})
+        ra, ca = a.phase_client(phase, pa, ca, fed.clients[0], client_generator(0, PHASE, i, 0))
+        rb, cb = b.phase_client(phase, b.phase_configure(phase, sb, 0), cb, fed.clients[0],
+                                client_generator(0, PHASE, i, 0))
+        assert _same(ra.arrays, rb.arrays) and _same(ca, cb), f"{method}: phase {phase}"
+        sa, sb = a.phase_aggregate(phase, sa, [(0, ra)]), b.phase_aggregate(phase, sb, [(0, rb)])
+        assert _same(sa, sb), f"{method}: server state after phase {phase}"
+
+
+_FED: dict = {}

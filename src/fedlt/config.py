@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .core.spec import LR_SCHEDULES, scheduled_lr
 from .errors import ConfigError
 from .papers import presets as paper_presets
 
@@ -86,9 +87,6 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-LR_SCHEDULES = ("constant", "step", "cosine")
-
-
 def parse_milestones(value: Any) -> tuple[int, ...]:
     """``"160,240"``, ``[160, 240]`` or ``()`` -> ``(160, 240)``; a one-line ConfigError for anything else."""
     items = value.replace("[", "").replace("]", "").split(",") if isinstance(value, str) else list(value or ())
@@ -103,22 +101,9 @@ def parse_milestones(value: Any) -> tuple[int, ...]:
 
 
 def lr_at(cfg: RunConfig, rnd: int) -> float:
-    """The local learning rate of round ``rnd`` (1-based), a pure function of the settings and the round, so
-    a resumed run needs nothing saved. Post-training phases use the last round's value.
-
-    - ``constant``: ``lr``.
-    - ``step``: ``lr * gamma^m``, m = the number of milestones before ``rnd`` (``--lr-milestones 160,240``: rounds
-      1-160 at lr, 161-240 at 0.1 lr, then 0.01 lr, as FedDr+ decays at rounds 160 and 240; torch's MultiStepLR
-      stepped once after every round).
-    - ``cosine``: ``lr * (1 + cos(pi * (rnd - 1) / rounds)) / 2`` (CosineAnnealingLR over the rounds, to 0).
-    """
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    if cfg.lr_schedule == "step":
-        return cfg.lr * cfg.lr_gamma ** sum(m < rnd for m in parse_milestones(cfg.lr_milestones))
-    if cfg.lr_schedule == "cosine":
-        return cfg.lr * (1 + math.cos(math.pi * (min(rnd, cfg.rounds) - 1) / cfg.rounds)) / 2
-    raise ConfigError(f"unknown lr-schedule {cfg.lr_schedule!r}; choose {', '.join(LR_SCHEDULES)}")
+    """The local learning rate of round ``rnd`` (1-based) under the settings' schedule
+    (:func:`fedlt.core.spec.scheduled_lr`, the formula and its cases)."""
+    return scheduled_lr(cfg.lr, cfg.lr_schedule, parse_milestones(cfg.lr_milestones), cfg.lr_gamma, cfg.rounds, rnd)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

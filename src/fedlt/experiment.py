@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import RunConfig
+from .config import RunConfig, parse_milestones
 from .core.api import Method, RunSpec
 from .data import Federation, build_federation
 from .data.split import default_lt_profile, partition_document
@@ -45,6 +45,8 @@ def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
                    weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                    rounds=cfg.rounds, num_clients=cfg.clients, device=cfg.device, precision=cfg.precision,
                    channels_last=cfg.channels_last, cache_dir=os.environ.get("FEDLT_CACHE"),
+                   lr_schedule=cfg.lr_schedule, lr_milestones=parse_milestones(cfg.lr_milestones),
+                   lr_gamma=cfg.lr_gamma,
                    data=dict(dataset=cfg.dataset, data_dir=cfg.data_dir, imbalance_ratio=cfg.imbalance_ratio,
                              lt_profile=lt_profile_of(cfg, fed), tail_classes=cfg.tail_classes, n_max=cfg.n_max,
                              seed=cfg.seed, dataset_kw=cfg.dataset_kw()))

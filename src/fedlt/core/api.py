@@ -11,7 +11,8 @@ init_server() -> state                        init_client(cid, data) -> client_s
 configure(state, rnd, cid) -> Message   ==>   local_train(payload, cstate, data, gen) -> (Message, cstate)
                                               (or, described: local_steps(payload, cstate, data) -> LocalSteps,
                                               run by the engine, then local_reply(..., Trained) -> (Message,
-                                              cstate); see fedlt.core.steps)
+                                              cstate); see fedlt.core.steps) -- at the round's lr, which the
+                                              driver sends with every payload (Message.lr)
 aggregate(state, rnd, [(cid, Message)]) <==
 after the rounds, for each name in ``phases`` (one message to every client and back):
 phase_configure(name, state, cid)       ==>   phase_client(name, payload, cstate, data, gen)
@@ -40,13 +41,30 @@ Meta = dict[str, Any]
 
 @dataclass
 class Message:
-    """What crosses between server and client: named arrays and a small dict of plain values."""
+    """What crosses between server and client: named arrays and a small dict of plain values (``meta``, the
+    method's), plus ``config``: the values of this round that the run driver sets on every message it sends --
+    ``lr``, the round's local learning rate (a post-training phase gets the last round's) -- as Flower's
+    strategies put per-round values in a message's config. A method neither sets nor copies ``config``; its
+    client hooks read the round's lr as :attr:`lr`, and the shared training loop and step executors take it
+    from there."""
 
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: Meta = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         return int(sum(t.numel() * t.element_size() for t in self.arrays.values()))
+
+    @property
+    def lr(self) -> float | None:
+        """The round's local learning rate this message carries (None: none was sent, e.g. a hook called
+        directly in a test; the run's ``spec.lr`` applies)."""
+        v = self.config.get("lr")
+        return None if v is None else float(v)
+
+    def with_config(self, values: dict[str, Any]) -> "Message":
+        """This message with ``values`` added to its config (a new Message; the arrays and meta are shared)."""
+        return Message(self.arrays, self.meta, {**self.config, **values})
 
 
 @dataclass
@@ -163,7 +181,12 @@ class Method:
         steps = self.local_steps(payload, cstate, data)
         if steps is None:
             raise NotImplementedError(f"method {self.name} defines neither local_steps nor local_train")
-        return self.local_reply(payload, cstate, data, run_steps(self, steps, data, gen))
+        return self.local_reply(payload, cstate, data, run_steps(self, steps, data, gen, payload.lr))
+
+    def round_lr(self, payload: Message) -> float:
+        """The round's local learning rate: the one ``payload`` carries (:attr:`Message.lr`, set by the run
+        driver), else the run's ``spec.lr``."""
+        return self.spec.lr if payload.lr is None else payload.lr
 
     @classmethod
     def describes_steps(cls) -> bool:

@@ -59,8 +59,11 @@ class Train:
         prefixes = (self.prefix,) if isinstance(self.prefix, str) else self.prefix
         return any(name.startswith(p) and (p or not extra) for p in prefixes)
 
-    def settings(self, spec) -> tuple[float, float, float]:
-        return (spec.lr if self.lr is None else self.lr, spec.momentum if self.momentum is None else self.momentum,
+    def settings(self, spec, lr: float | None = None) -> tuple[float, float, float]:
+        """(lr, momentum, weight decay): this group's own, else the run's -- ``lr`` being the round's (the one
+        its message carried; None: ``spec.lr``)."""
+        run_lr = spec.lr if lr is None else lr
+        return (run_lr if self.lr is None else self.lr, spec.momentum if self.momentum is None else self.momentum,
                 spec.weight_decay if self.weight_decay is None else self.weight_decay)
 
 
@@ -103,12 +106,13 @@ def stats_of(names: list[str], means, steps: int) -> dict[str, Any]:
     return {**out, "steps": steps}
 
 
-def by_setting(groups: dict[str, Train], spec) -> dict[tuple[float, float, float], list[str]]:
-    """The trained names grouped by their (lr, momentum, weight decay): groups with equal settings share one
-    update, so one optimiser group -- one foreach kernel per operation instead of one per group."""
+def by_setting(groups: dict[str, Train], spec, lr: float | None = None) -> dict[tuple[float, float, float], list[str]]:
+    """The trained names grouped by their (lr, momentum, weight decay) at the round's ``lr``: groups with equal
+    settings share one update, so one optimiser group -- one foreach kernel per operation instead of one per
+    group."""
     out: dict[tuple, list[str]] = {}
     for n, g in groups.items():
-        out.setdefault(g.settings(spec), []).append(n)
+        out.setdefault(g.settings(spec, lr), []).append(n)
     return out
 
 
@@ -170,17 +174,18 @@ def strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tens
     return {k[n:]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def run_steps(method, steps: LocalSteps, data, gen: torch.Generator) -> Trained:
-    """Run a description for one client: the method's working model, ``torch.optim.SGD`` with one parameter
-    group per :class:`Train` group, the shared loop :func:`fedlt.core.training.train_local`."""
+def run_steps(method, steps: LocalSteps, data, gen: torch.Generator, lr: float | None = None) -> Trained:
+    """Run a description for one client at the round's ``lr`` (the one its message carried; None: the run's
+    ``spec.lr``): the method's working model, ``torch.optim.SGD`` with one parameter group per :class:`Train`
+    group, the shared loop :func:`fedlt.core.training.train_local`."""
     spec, net = method.spec, method.net
     load_weights(net, steps.weights)
     params = dict(net.named_parameters())
     groups = groups_of(steps, params, steps.extra)
     extra = {k: (v.detach().clone().requires_grad_(True) if k in groups else v) for k, v in steps.extra.items()}
     live = {**params, **extra}
-    param_groups = [{"params": [live[n] for n in names], "lr": lr, "momentum": mom, "weight_decay": wd}
-                    for (lr, mom, wd), names in by_setting(groups, spec).items()]
+    param_groups = [{"params": [live[n] for n in names], "lr": g_lr, "momentum": mom, "weight_decay": wd}
+                    for (g_lr, mom, wd), names in by_setting(groups, spec, lr).items()]
     opt = make_optimizer(param_groups, spec)
     for name, buf in steps.momentum.items():
         opt.state[live[name]]["momentum_buffer"] = buf.detach().clone()

@@ -13,9 +13,10 @@ from .spec import RunSpec
 def make_optimizer(params: Iterable, spec: RunSpec, lr: float | None = None, momentum: float | None = None,
                    weight_decay: float | None = None) -> torch.optim.Optimizer:
     """SGD with the run's learning rate, momentum and weight decay (re-created every round, like the papers'
-    code: no optimiser state survives between rounds unless a method keeps it). ``params``: parameters (those
-    that require a gradient are taken) or parameter-group dicts. Under fp16 on CUDA the fused implementation,
-    which skips a step with non-finite gradients without waiting for the device."""
+    code: no optimiser state survives between rounds unless a method keeps it); ``lr`` the round's (a client's
+    ``payload.lr``), else ``spec.lr``. ``params``: parameters (those that require a gradient are taken) or
+    parameter-group dicts. Under fp16 on CUDA the fused implementation, which skips a step with non-finite
+    gradients without waiting for the device."""
     params = list(params)
     if not params or not isinstance(params[0], dict):
         params = [p for p in params if p.requires_grad]
@@ -94,13 +95,14 @@ def ce_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def train_local(model: nn.Module, data, spec: RunSpec, gen: torch.Generator, loss_fn: LossFn = ce_loss,
                 epochs: int | None = None, optimizer: torch.optim.Optimizer | None = None,
                 params: Iterable[torch.nn.Parameter] | None = None, after_step: Callable[[], None] | None = None,
-                parts: bool = False) -> dict:
-    """Run ``epochs`` local epochs of mini-batch SGD on ``loss_fn(model, x, y)``, in the run's precision.
-    Returns the mean loss and the number of steps. With ``parts``, ``loss_fn`` may return ``(loss, {name:
-    part})`` and the result is ``{"means": [loss, *parts], "steps": n}``. Nothing is read from the device
-    before the last step."""
+                parts: bool = False, lr: float | None = None) -> dict:
+    """Run ``epochs`` local epochs of mini-batch SGD on ``loss_fn(model, x, y)``, in the run's precision, at
+    ``lr``: the round's, as the client's message carried it (``payload.lr``; None: the run's ``spec.lr``), for
+    the optimiser made here (an ``optimizer`` given has its own). Returns the mean loss and the number of steps.
+    With ``parts``, ``loss_fn`` may return ``(loss, {name: part})`` and the result is ``{"means": [loss,
+    *parts], "steps": n}``. Nothing is read from the device before the last step."""
     model.train()
-    opt = optimizer or make_optimizer(params if params is not None else model.parameters(), spec)
+    opt = optimizer or make_optimizer(params if params is not None else model.parameters(), spec, lr=lr)
     scaler = grad_scaler(spec)
     meter = Meter()
     for x, y in data.batches(spec.batch_size, gen, epochs=spec.local_epochs if epochs is None else epochs):

@@ -50,11 +50,13 @@ from .graphs import StepGraphs
 
 @dataclass
 class Job:
-    """One client's part of a round: its description, data, and a factory of its training generator."""
+    """One client's part of a round: its description, data, a factory of its training generator, and the
+    round's lr its message carried (``Message.lr``; None: the run's ``spec.lr``)."""
 
     steps: LocalSteps
     data: object
     make_gen: Callable[[], torch.Generator]
+    lr: float | None = None
 
 
 def _oom_errors() -> tuple[type, ...]:
@@ -101,10 +103,10 @@ def _check(jobs: list[Job]) -> None:
     ref = jobs[0].steps
     for j in jobs[1:]:
         s = j.steps
-        if s.loss != ref.loss or s.train != ref.train or s.epochs != ref.epochs or \
+        if s.loss != ref.loss or s.train != ref.train or s.epochs != ref.epochs or j.lr != jobs[0].lr or \
                 list(s.weights) != list(ref.weights) or list(s.extra) != list(ref.extra):
-            raise ValueError("batched clients must share one loss function, training groups, epochs and tensor "
-                             "names (per-client values go through LocalSteps.extra)")
+            raise ValueError("batched clients must share one loss function, training groups, epochs, lr and "
+                             "tensor names (per-client values go through LocalSteps.extra)")
 
 
 def _shared_store(jobs: list[Job]) -> bool:
@@ -201,7 +203,7 @@ class ClientStacks:
         self.B = self._stacked(buffer_names)
         self.F, self.f_dims = self._shared_or_stacked([n for n in param_names if n not in groups])
         self.C, self.c_dims = self._shared_or_stacked([n for n in ref.extra if n not in groups])
-        self.settings = by_setting(groups, method.spec)
+        self.settings = by_setting(groups, method.spec, jobs[0].lr)
         self.M = {n: torch.zeros_like(self.P[n]) for (_, mom, _), names in self.settings.items() if mom != 0
                   for n in names}
         self.had = {n: [n in j.steps.momentum for j in jobs] for n in self.M}  # momentum carried in, per client

@@ -103,7 +103,7 @@ class EngineConfig:
     split: str = "fedloge"
     progress: bool = True
     client_parallel: str = "auto"  # auto | off | N: clients trained together (engine.batched)
-    lr: Callable[[int], float] | None = None  # the local lr of each round (config.lr_at); None: spec.lr as given
+    lr: Callable[[int], float] | None = None  # the local lr of each round (config.lr_at); None: spec.lr, constant
     cuda_graphs: bool = False  # batched steps in static mode, replayed as CUDA graphs on CUDA (engine.graphs)
     client_state_memory: int = DEFAULT_BUDGET  # bytes of client states held in memory (engine.clientstate)
     eval_clients: float = 1.0  # PM over all clients (1), or a seeded sample: a fraction (< 1) or a count (> 1)
@@ -193,17 +193,24 @@ class Driver:
         set_rng_state(d["rng"])
 
     # ---------------------------------------------------------------- one exchange
-    def set_lr(self, rnd: int) -> None:
-        """The round's learning rate into the method's spec, from which methods build their optimisers (the
-        one place it is set: a transport sends it along with the payloads)."""
-        if self.cfg.lr is not None:
-            self.method.spec.lr = self.cfg.lr(rnd)
+    def round_config(self, kind: str, index: int) -> dict:
+        """The per-round values every payload of an exchange carries (``Message.config``; the one place they are
+        set): ``lr``, the round's local learning rate (a phase's: the last round's). The method's spec is never
+        changed: its ``lr`` stays the run's."""
+        rnd = index if kind == TRAINING else self.cfg.rounds
+        return {"lr": self.method.spec.lr if self.cfg.lr is None else self.cfg.lr(rnd)}
+
+    def payloads(self, kind: str, index: int, cids, make_payload) -> dict[int, Message]:
+        """``make_payload(cid)`` (the method's configure hook) for each client, with the exchange's
+        :meth:`round_config`."""
+        values = self.round_config(kind, index)
+        return {c: make_payload(c).with_config(values) for c in cids}
 
     def exchange(self, kind: str, index: int, tag: str, cids: list[int], make_payload) -> tuple[Replies, dict]:
         """Payloads to the reachable clients of ``cids``, the replies back; the record's traffic and missing
         fields."""
         why = self.transport.reachable(cids)
-        payloads = {c: make_payload(c) for c in cids if c not in why}
+        payloads = self.payloads(kind, index, [c for c in cids if c not in why], make_payload)
         replies, lost = self.transport.send_and_receive(kind, index, payloads)
         why.update(lost)
         rec = {"bytes_down_per_client": sum(p.nbytes() for p in payloads.values()) / max(len(cids), 1),
@@ -225,19 +232,17 @@ class Driver:
         cids = self.schedule[rnd - 1]
         t0 = time.perf_counter()
         m = self.method
-        self.set_lr(rnd)
         replies, comm = self.exchange(TRAINING, rnd, f"round {rnd}", cids, lambda c: m.configure(self.state, rnd, c))
         if replies:  # a round nobody answered leaves the state as it was
             self.state = m.aggregate(self.state, rnd, replies)
         self.round = rnd
         losses = [r.meta["loss"] for _, r in replies if "loss" in r.meta]
         return {"round": rnd, "clients": cids, "train_loss": float(np.mean(losses)) if losses else None,
-                "lr": m.spec.lr, **comm, "round_time": time.perf_counter() - t0}
+                "lr": self.round_config(TRAINING, rnd)["lr"], **comm, "round_time": time.perf_counter() - t0}
 
     def run_phase(self, phase: str, index: int = 0) -> dict:
         m = self.method
         t0 = time.perf_counter()
-        self.set_lr(self.cfg.rounds)
         replies, comm = self.exchange(phase, index, f"phase {phase}", list(range(self.num_clients)),
                                       lambda c: m.phase_configure(phase, self.state, c))
         self.state = m.phase_aggregate(phase, self.state, replies)

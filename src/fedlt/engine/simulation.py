@@ -116,7 +116,7 @@ class Batched(InProcess):
         m, seed, cids, data = self.method, self.seed, list(payloads), self.fed.clients
         states = {c: self.client_state(c) for c in cids}
         jobs = [Job(m.local_steps(payloads[c], states[c], data[c]), data[c],
-                    lambda c=c: client_generator(seed, TRAIN, index, c)) for c in cids]
+                    lambda c=c: client_generator(seed, TRAIN, index, c), payloads[c].lr) for c in cids]
         trained, fitted = train_batched(m, jobs, chunk, self.fitted, self.graphs)
         if chunk is None:
             self.fitted = fitted

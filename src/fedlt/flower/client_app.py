@@ -7,8 +7,9 @@ client needs nothing but its data and this package):
 message type            what the client does
 ======================  ==========================================================================
 ``query.describe``      says who it is: client id, training label counts, test-set size
-``train``               ``method.local_train(payload, cstate, data, gen)`` at the round's lr (sent
-                        with it), gen = the driver's (round, client) generator
+``train``               ``method.local_train(payload, cstate, data, gen)`` at the round's lr (the
+                        payload's config, ``payload.lr``), gen = the driver's (round, client)
+                        generator
 ``train.phase``         ``method.phase_client(name, payload, cstate, data, gen)`` (a post-training
                         phase, e.g. a realignment or fine-tuning, one message per phase)
 ``evaluate``            personalized evaluation on its own test set:
@@ -66,7 +67,8 @@ class Job:
     def parse(cls, text: str) -> "Job":
         d = json.loads(text)
         cfg = RunConfig(**d["config"])
-        spec_d = dict(d["spec"], in_shape=tuple(d["spec"]["in_shape"]))
+        spec_d = dict(d["spec"], in_shape=tuple(d["spec"]["in_shape"]),
+                      lr_milestones=tuple(d["spec"].get("lr_milestones", ())))
         spec = RunSpec(**{f.name: spec_d[f.name] for f in fields(RunSpec) if f.name in spec_d})
         return cls(cfg, spec, d["prep"])
 
@@ -211,7 +213,6 @@ def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
     ctl = control(msg.content)
     rnd = int(ctl["round"])
-    node.method.spec.lr = float(ctl["lr"])  # the round's lr, as the run driver set it
     gen = client_generator(node.job.cfg.seed, TRAIN, rnd, node.cid)
     with autocast(node.method.spec):
         reply, cstate = node.method.local_train(from_records(msg.content), node.client_state(context), node.data,
@@ -225,7 +226,6 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
     ctl = control(msg.content)
     name, index = str(ctl["phase"]), int(ctl["index"])
-    node.method.spec.lr = float(ctl["lr"])
     gen = client_generator(node.job.cfg.seed, PHASE, index, node.cid)
     with autocast(node.method.spec):
         reply, cstate = node.method.phase_client(name, from_records(msg.content), node.client_state(context),

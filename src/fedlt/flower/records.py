@@ -10,6 +10,8 @@ record              type                holds
                                         arrays inside meta go to ``meta-arrays`` (an ``ArrayRecord``)
 ``metrics``         ``MetricRecord``    the numeric scalars of meta, ``num_examples`` also as Flower's
                                         ``num-examples`` (read by Flower tooling, never by fedlt)
+``config``          ``ConfigRecord``    ``Message.config``, the round's values the driver sets (``lr``),
+                                        where there are any: Flower's per-round config
 ==================  ==================  ===============================================================
 
 plus a ``fedlt`` ``ConfigRecord`` with the engine's own fields (round, phase, client id, the run settings).
@@ -44,6 +46,8 @@ def to_records(msg: Message, control: dict[str, Any] | None = None, what: str = 
     if "num_examples" in scalars:
         scalars["num-examples"] = scalars["num_examples"]
     rd["metrics"] = MetricRecord(scalars)
+    if msg.config:
+        rd["config"] = ConfigRecord(dict(msg.config))
     if control is not None:
         rd[CONTROL] = ConfigRecord(control)
     return rd
@@ -54,7 +58,7 @@ def from_records(rd: RecordDict) -> Message:
     arrays = rd["arrays"].to_torch_state_dict() if "arrays" in rd else {}
     meta_arrays = rd["meta-arrays"].to_torch_state_dict() if "meta-arrays" in rd else {}
     meta = unpack(str(rd["meta"]["json"]), meta_arrays) if "meta" in rd else {}
-    return Message(arrays, meta)
+    return Message(arrays, meta, dict(rd["config"]) if "config" in rd else {})
 
 
 def control(rd: RecordDict) -> ConfigRecord:

@@ -161,9 +161,9 @@ class FedltStrategy(Strategy):
         if not self.nodes:  # called by Strategy.start(): learn the clients first
             self.connect(grid)
             self._counts()
-        self.driver.set_lr(server_round)
-        payloads = {cid: self.method.configure(self.state, server_round, cid)
-                    for cid in self.schedule[server_round - 1] if cid in self.nodes}
+        cids = [c for c in self.schedule[server_round - 1] if c in self.nodes]
+        payloads = self.driver.payloads(TRAINING, server_round, cids,
+                                        lambda c: self.method.configure(self.state, server_round, c))
         return list(self.transport.messages(TRAINING, server_round, payloads).values())
 
     def aggregate_train(self, server_round: int, replies: Iterable[FlwrMessage]):
@@ -264,8 +264,8 @@ class FedltStrategy(Strategy):
 
 
 class GridTransport:
-    """The driver's transport over a Flower ``Grid``: one message per client (``train`` with the round and its
-    lr, ``train.phase``, ``evaluate``), replies within ``round_timeout``; clients that fail or stay silent
+    """The driver's transport over a Flower ``Grid``: one message per client (``train`` with the round and,
+    in its config, the round's lr; ``train.phase``, ``evaluate``), replies within ``round_timeout``; clients that fail or stay silent
     are missing. Client states stay on the clients; on an :class:`~fedlt.flower.inprocess.InProcessGrid`,
     whose nodes live in this process, they are read for checkpoints and written back on resume."""
 
@@ -278,10 +278,10 @@ class GridTransport:
         return {cid: "no SuperNode for this client" for cid in cids if cid not in self.st.nodes}
 
     def messages(self, kind: str, index: int, payloads: dict[int, Message]) -> dict[int, FlwrMessage]:
-        """One Flower message per client: a round's ``train`` (its round and lr) or a phase's ``train.phase``
-        (its name, index and lr), what the ClientApp's two handlers read."""
+        """One Flower message per client: a round's ``train`` (its round) or a phase's ``train.phase`` (its name
+        and index), what the ClientApp's two handlers read; the round's lr is in each payload's config."""
         st = self.st
-        ctl = {"lr": st.method.spec.lr, **({"round": index} if kind == TRAINING else {"phase": kind, "index": index})}
+        ctl = {"round": index} if kind == TRAINING else {"phase": kind, "index": index}
         mtype, group = ("train", str(index)) if kind == TRAINING else ("train.phase", f"phase-{index}")
         return {cid: st._message(p, cid, mtype, ctl, group) for cid, p in payloads.items()}
 

@@ -117,9 +117,9 @@ class BalanceFL(Method):
             raise ConfigError("balancefl: ki_temperature and adam_lr must be > 0")
         self._teacher = None
 
-    def optimizer(self, params):
+    def optimizer(self, params, lr):
         if self.p.optimizer == "sgd":
-            return make_optimizer(params, self.spec)
+            return make_optimizer(params, self.spec, lr=lr)
         return torch.optim.Adam(params, lr=self.p.adam_lr, weight_decay=self.spec.weight_decay)
 
     def batches(self, data, gen):
@@ -151,7 +151,7 @@ class BalanceFL(Method):
             del h
 
         params = list(net.parameters())
-        opt = self.optimizer(params)
+        opt = self.optimizer(params, payload.lr)
         if p.keep_optimizer_state and "opt" in cstate:
             opt.load_state_dict(cstate["opt"])
         net.train()

@@ -57,6 +57,6 @@ class Centralized(Method):
         net = self.net
         load_weights(net, state["weights"])
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, POOL_TRAIN, rnd))
-        train_local(net, self.pool, self.spec, gen, epochs=self.p.epochs_per_round)
+        train_local(net, self.pool, self.spec, gen, epochs=self.p.epochs_per_round, lr=self.spec.lr_at(rnd))
         state["weights"] = weights_of(net)
         return state

@@ -113,6 +113,6 @@ class CLIMB(Method):
         net = self.net
         load_weights(net, payload.arrays)
         loss0 = dataset_loss(net, data)
-        stats = train_local(net, data, self.spec, gen)
+        stats = train_local(net, data, self.spec, gen, lr=payload.lr)
         arrays = {**weights_of(net), "climb.loss": torch.tensor([loss0], device="cpu")}
         return Message(arrays, {"num_examples": len(data), **stats}), cstate

@@ -161,7 +161,7 @@ class CReFF(Method):
         with torch.no_grad():
             h = torch.cat([net.backbone(x[s:s + 1000]) for s in range(0, len(y), 1000)])
             gws, gbs = head_ce_grads(h, y, W, b, held)
-        stats = train_local(net, data, self.spec, gen, self.local_loss())
+        stats = train_local(net, data, self.spec, gen, self.local_loss(), lr=payload.lr)
         arrays = {**weights_of(net), **pack_class_grads("grad", held, gws, gbs)}
         return Message(arrays, {"num_examples": len(data), **stats}), cstate
 

@@ -58,7 +58,7 @@ class Ditto(FedAvg):
         def loss_fn(model, x, y):
             return F.cross_entropy(model(x), y) + 0.5 * lam * proximal_term(model, anchor)
 
-        stats = train_local(v, data, self.spec, gen, loss_fn, epochs=self.p.personal_epochs or None)
+        stats = train_local(v, data, self.spec, gen, loss_fn, epochs=self.p.personal_epochs or None, lr=payload.lr)
         reply.meta["personal_loss"] = stats["loss"]
         return reply, {**cstate, "personal": weights_of(v)}
 

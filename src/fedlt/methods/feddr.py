@@ -88,7 +88,6 @@ class FedDrPlus(Method):
         self.phases = ("finetune",) if p.ft_epochs > 0 else ()
         self.sent = sorted(backbone_keys(self.net))  # what crosses the network: the backbone only
         self._teacher = None
-        self._base_lr = spec.lr  # the engine sets spec.lr to each round's lr; an own lr follows that schedule
 
     def new_model(self):
         m = super().new_model()
@@ -126,17 +125,20 @@ class FedDrPlus(Method):
                     h_g = teacher.backbone(x)
             return feddr_loss(h, h_g, V, y, beta)
 
-        opt = make_optimizer(net.parameters(), self.spec, lr=lr or None)
+        opt = make_optimizer(net.parameters(), self.spec, lr=lr)
         return train_local(net, data, self.spec, gen, loss_fn, epochs=epochs, optimizer=opt)
 
     def local_train(self, payload, cstate, data, gen):
-        lr = self.p.lr * self.spec.lr / self._base_lr  # --lr-schedule scales an own lr like the run's
+        lr = self.round_lr(payload)
+        if self.p.lr:
+            lr = self.p.lr * lr / self.spec.lr  # --lr-schedule scales an own lr like the run's
         stats = self._train(payload.arrays, data, gen, self.p.beta, self.spec.local_epochs, lr)
         return Message(weights_of(self.net, self.sent), {"num_examples": len(data), **stats}), cstate
 
     # ---------------------------------------------------------------- FedDr+ FT
     def phase_client(self, phase, payload, cstate, data, gen):
-        stats = self._train(payload.arrays, data, gen, self.p.ft_beta, self.p.ft_epochs, self.p.ft_lr)
+        stats = self._train(payload.arrays, data, gen, self.p.ft_beta, self.p.ft_epochs,
+                            self.p.ft_lr or self.round_lr(payload))
         cstate = {**cstate, "personal": weights_of(self.net, self.sent)}
         return Message(meta={"num_examples": len(data), **stats}), cstate
 

@@ -96,7 +96,7 @@ class FedDyn(ParamKeys, FedAvg):
             reg = sum((-(params[k] * g[k]).sum() + 0.5 * a * ((params[k] - anchor[k]) ** 2).sum()) for k in keys)
             return ce + reg
 
-        stats = train_local(net, data, self.spec, gen, loss_fn)
+        stats = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
         new = weights_of(net)
         g = {k: g[k] - a * (new[k] - anchor[k]) for k in keys}
         meta = {"num_examples": len(data), "loss": float(ce_sum) / max(stats["steps"], 1), "steps": stats["steps"]}

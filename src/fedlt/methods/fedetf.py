@@ -151,12 +151,13 @@ class FedETF(Method):
         return Predictor(m.backbone, lambda z: z @ M.T, shared_backbone=True)
 
     # ---------------------------------------------------------------- client
-    def _balanced_round(self, net, arrays, cstate, data, gen):
-        """E local epochs of the balanced softmax loss from ``arrays``; returns (stats, client state)."""
-        load_weights(net, arrays)
+    def _balanced_round(self, net, payload, cstate, data, gen):
+        """E local epochs of the balanced softmax loss from the payload's arrays, at its lr; returns (stats,
+        client state)."""
+        load_weights(net, payload.arrays)
         counts = prior_counts(torch.as_tensor(data.counts, dtype=torch.float32, device=self.spec.device),
                               self.p.absent_count)  # on the device once, not copied every step
-        opt = make_optimizer(net.parameters(), self.spec)
+        opt = make_optimizer(net.parameters(), self.spec, lr=payload.lr)
         if self.p.keep_momentum and "opt" in cstate:
             opt.load_state_dict(cstate["opt"])
         stats = train_local(net, data, self.spec, gen,
@@ -166,7 +167,7 @@ class FedETF(Method):
         return stats, cstate
 
     def local_train(self, payload, cstate, data, gen):
-        stats, cstate = self._balanced_round(self.net, payload.arrays, cstate, data, gen)
+        stats, cstate = self._balanced_round(self.net, payload, cstate, data, gen)
         return Message(weights_of(self.net, self.sent), {"num_examples": len(data), **stats}), cstate
 
     # ---------------------------------------------------------------- personalization
@@ -175,7 +176,7 @@ class FedETF(Method):
             self._pnet = self.new_model()
         net, p = self._pnet, self.p
         load_weights(net, {"head.M": self.net.head.M})  # start from the fixed ETF (the last client changed it)
-        stats, cstate = self._balanced_round(net, payload.arrays, cstate, data, gen)  # step 1
+        stats, cstate = self._balanced_round(net, payload, cstate, data, gen)  # step 1
         batches = frozen_feature_batches(net.backbone.body, data, self.spec.batch_size)
         M, proj = net.head.M, net.backbone.proj
         net.requires_grad_(False)

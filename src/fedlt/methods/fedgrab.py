@@ -164,5 +164,6 @@ class FedGraB(FedAvg):
             bal.accumulate(z, onehot, w)
             return loss
 
-        stats = train_local(net, data, self.spec, gen, loss_fn, optimizer=make_optimizer(params, self.spec))
+        stats = train_local(net, data, self.spec, gen, loss_fn,
+                            optimizer=make_optimizer(params, self.spec, lr=payload.lr))
         return Message(weights_of(net), {"num_examples": len(data), **stats}), {**cstate, "sgb": bal.s}

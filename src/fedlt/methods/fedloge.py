@@ -240,15 +240,18 @@ class FedLoGe(Method):
         b = (torch.rand(C, generator=g, device="cpu") * 2 - 1) * bound
         return {"phi.weight": w.to(self.spec.device), "phi.bias": b.to(self.spec.device)}
 
-    def _lr(self) -> tuple[float, float]:
-        s, p = self.spec, self.p
-        return (p.head_lr if p.head_lr > 0 else s.lr), (p.head_momentum if p.head_momentum >= 0 else s.momentum)
+    def _lr(self, payload) -> tuple[float, float]:
+        """The heads' lr and momentum: head_lr / head_momentum, else the round's lr (the payload's) and the run's
+        momentum."""
+        p = self.p
+        return (p.head_lr if p.head_lr > 0 else self.round_lr(payload)), \
+            (p.head_momentum if p.head_momentum >= 0 else self.spec.momentum)
 
     def local_steps(self, payload, cstate, data):
         """Stage 1 on the client: theta through the frozen SSE-C, psi and phi_k on detached features, each with its
         SGD (the heads at head_lr / head_momentum); phi_k's momentum carried over with persist_phi_momentum."""
         W, b = self._client_fixed(payload, cstate)
-        head_lr, head_mom = self._lr()
+        head_lr, head_mom = self._lr(payload)
         extra = {"phi.weight": cstate["phi.weight"], "phi.bias": cstate["phi.bias"], "fixed.weight": W, "fixed.bias": b}
         momentum = {k: cstate[f"phi.momentum.{k[4:]}"] for k in ("phi.weight", "phi.bias")
                     if self.p.persist_phi_momentum and f"phi.momentum.{k[4:]}" in cstate}
@@ -297,7 +300,7 @@ class FedLoGe(Method):
         net.eval()  # the backbone is the shared global one: no BN statistics move
         w = rw.clone().requires_grad_(True)
         b = rb.clone().requires_grad_(self.keep_bias)
-        lr, mom = self._lr()
+        lr, mom = self._lr(payload)
         opt = torch.optim.SGD([w, b] if self.keep_bias else [w], lr=lr, momentum=mom)
         meter = Meter()
         for x, y in data.batches(self.spec.batch_size, gen, epochs=self.p.finetune_epochs):

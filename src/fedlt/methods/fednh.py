@@ -116,7 +116,7 @@ class FedNH(FedAvg):
     def local_train(self, payload, cstate, data, gen):
         net = self.net
         load_weights(net, payload.arrays)
-        stats = train_local(net, data, self.spec, gen)
+        stats = train_local(net, data, self.spec, gen, lr=payload.lr)
         f, y = local_features(net.backbone, data, 1024)
         proto, counts = class_prototypes(f, y, self.spec.num_classes)
         mine = weights_of(net)

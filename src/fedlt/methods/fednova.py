@@ -47,7 +47,7 @@ class FedNova(ParamKeys, FedAvg):
     def local_train(self, payload, cstate, data, gen):
         net = self.net
         load_weights(net, payload.arrays)
-        stats = train_local(net, data, self.spec, gen)
+        stats = train_local(net, data, self.spec, gen, lr=payload.lr)
         rho = self.spec.momentum if self.p.normalize_momentum else 0.0
         a_norm = effective_steps(stats["steps"], rho)
         return Message(weights_of(net), {"num_examples": len(data), "a_norm": a_norm, **stats}), cstate

@@ -57,18 +57,18 @@ class FedRep(FedPer):
         net = self.net
         load_weights(net, payload.arrays)
         load_weights(net, cstate["local"])
-        stats = self.train_client(net, data, gen)
+        stats = self.train_client(net, data, gen, payload.lr)
         return self.local_reply(payload, cstate, data, Trained(weights_of(net), {}, {}, stats))
 
-    def train_client(self, net, data, gen):
+    def train_client(self, net, data, gen, lr):
         steps, stats = 0, {"loss": 0.0}
         if self.p.head_epochs:  # 1. the head on the frozen body's features
             stats = train_local(net, data, self.spec, gen, head_loss, epochs=self.p.head_epochs,
-                                params=net.head.parameters())
+                                params=net.head.parameters(), lr=lr)
             steps += stats["steps"]
         if self.p.body_epochs:  # 2. the body under the frozen head
             stats = train_local(net, data, self.spec, gen, epochs=self.p.body_epochs,
-                                params=net.backbone.parameters())
+                                params=net.backbone.parameters(), lr=lr)
             steps += stats["steps"]
         return {"loss": stats["loss"], "steps": steps}  # loss: the mean over the last phase
 

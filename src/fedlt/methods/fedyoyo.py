@@ -181,7 +181,7 @@ class FedYoYo(FedAvg):
         q = q / q.sum()
         prior = payload.arrays["yoyo.prior"].to(s.device).float()
         ramp = min(payload.meta["round"] / p.warmup, 1.0)
-        opt = make_optimizer(net.parameters(), s, momentum=0.0 if p.momentum < 0 else p.momentum)
+        opt = make_optimizer(net.parameters(), s, lr=payload.lr, momentum=0.0 if p.momentum < 0 else p.momentum)
         ce_sum = torch.zeros((), device=s.device)
 
         def loss_fn(model, x, y):

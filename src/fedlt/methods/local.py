@@ -43,7 +43,7 @@ class Local(Method):
     def local_train(self, payload, cstate, data, gen):
         net = self.net
         load_weights(net, cstate["weights"])
-        stats = train_local(net, data, self.spec, gen)
+        stats = train_local(net, data, self.spec, gen, lr=payload.lr)
         return Message(meta={"num_examples": len(data), **stats}), {**cstate, "weights": weights_of(net)}
 
     def global_model(self, state):

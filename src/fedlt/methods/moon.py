@@ -120,7 +120,7 @@ class MOON(FedAvg):
                 zg, zp = glob.backbone(x), prev.backbone(x)
             return ce + mu * model_contrastive_loss(z, zg, zp, tau).mean()
 
-        stats = train_local(net, data, self.spec, gen, loss_fn)
+        stats = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
         new = weights_of(net)
         meta = {"num_examples": len(data), "loss": float(ce_sum) / max(stats["steps"], 1), "steps": stats["steps"]}
         return Message(new, meta), {**cstate, "prev": {k: v.clone() for k, v in new.items()}}

@@ -87,23 +87,14 @@ class PerFedAvg(FedAvg):
         if p.alpha <= 0 or p.beta < 0 or p.delta <= 0 or p.personal_steps < 0:
             raise ConfigError("perfedavg: alpha and delta must be > 0, beta and personal_steps >= 0")
         self.alpha = p.alpha
-        self._beta = p.beta
-
-    @property
-    def beta(self) -> float:
-        """The outer step: ``beta``, or the run's lr of this round (which follows --lr-schedule)."""
-        return self._beta or self.spec.lr
-
-    @beta.setter
-    def beta(self, value: float) -> None:
-        self._beta = value
+        self.beta = p.beta  # the outer step; 0: the round's lr (which follows --lr-schedule)
 
     def local_train(self, payload, cstate, data, gen):
         net, spec = self.net, self.spec
         load_weights(net, payload.arrays)
         net.train()
         params = [p for p in net.parameters() if p.requires_grad]
-        opt = make_optimizer(params, spec, lr=self.beta)
+        opt = make_optimizer(params, spec, lr=self.beta or payload.lr)
         parts = 3 if self.p.variant == "hf" else 2
         meter = Meter()
         for x, y in data.batches(parts * spec.batch_size, gen, epochs=spec.local_epochs):

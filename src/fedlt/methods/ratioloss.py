@@ -123,7 +123,7 @@ class RatioLoss(Method):
             load_weights(net, weights)
             gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, MONITOR, rnd, c))
             with torch.enable_grad():
-                train_local(net, aux, self.spec, gen)
+                train_local(net, aux, self.spec, gen, lr=self.spec.lr_at(rnd))
             out.append(net.head.weight.detach().clone())
         return torch.stack(out)
 
@@ -146,5 +146,5 @@ class RatioLoss(Method):
         def loss_fn(model, x, y):
             return (alpha[y] * F.cross_entropy(model(x), y, reduction="none")).mean()
 
-        stats = train_local(net, data, self.spec, gen, loss_fn)
+        stats = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
         return Message(weights_of(net), {"num_examples": len(data), **stats}), cstate

@@ -146,7 +146,7 @@ class RedGrape(Method):
 
         params = list(net.parameters()) + list(sup.parameters())
         anchors = [(m, {n: q.detach().clone() for n, q in m.named_parameters()}) for m in (net, sup)]
-        opt = make_optimizer(params, self.spec)
+        opt = make_optimizer(params, self.spec, lr=payload.lr)
         lr = opt.param_groups[0]["lr"]
         net.train()
         meter = Meter()

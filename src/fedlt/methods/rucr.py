@@ -140,7 +140,7 @@ class RUCR(FedAvg):
                 return F.cross_entropy(model.head(h), yb) + p.lam * prototype_loss(h, yb, protos, known, ratio,
                                                                                    p.t, p.kappa)
             loss_fn = unified
-        stats = train_local(net, data, self.spec, gen, loss_fn)
+        stats = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
         arrays = {**weights_of(net), "rucr.mean": means, "rucr.count": counts}
         return Message(arrays, {"num_examples": len(data), **stats}), cstate
 

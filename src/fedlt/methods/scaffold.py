@@ -113,12 +113,12 @@ class Scaffold(ParamKeys, FedAvg):
             ces.add(ce)
             return ce + sum((params[k] * correction[k]).sum() for k in keys)
 
-        stats = train_local(net, data, self.spec, gen, loss_fn)
+        stats = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
         y = weights_of(net)
         if self.p.option == "II":
             K = stats["steps"]
             rho = self.spec.momentum if self.p.momentum_corrected else 0.0
-            denom = effective_steps(K, rho) * self.spec.lr
+            denom = effective_steps(K, rho) * self.round_lr(payload)
             ci_new = {k: ci[k] - c[k] + (x[k] - y[k]) / denom for k in keys} if K else dict(ci)
         dc = {C_UP + k: ci_new[k] - ci[k] for k in keys}
         meta = {"num_examples": len(data), "loss": ces.mean(), "steps": stats["steps"]}

@@ -149,7 +149,7 @@ class SphereFed(FedAvg):
                 return F.cross_entropy(z, y)
             return F.mse_loss(z, F.one_hot(y, C).to(z.dtype))
 
-        opt = make_optimizer(net.backbone.parameters(), self.spec)
+        opt = make_optimizer(net.backbone.parameters(), self.spec, lr=payload.lr)
         stats = train_local(net, data, self.spec, gen, loss_fn, optimizer=opt)
         return Message(weights_of(net, self.bkeys), {"num_examples": len(data), **stats}), cstate
 
