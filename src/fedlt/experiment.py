@@ -287,6 +287,17 @@ def client_heads(transport, fed: Federation, num_classes: int, n: int = PLOTTED_
     return {cid: h for cid in sorted(cids) if (h := head_like(states[cid], num_classes))}
 
 
+def pm_population(ev: dict) -> str:
+    """"PM over 500 of 100,000 clients": how many clients PM is the mean over, of how many (an evaluation's
+    clients with a test set, of the population)."""
+    n = len(next(iter(ev["personal"].values()))["per_client"])
+    of = ev.get("eval_clients", {}).get("of", n)
+    sampled = ev.get("eval_clients", {}).get("sampled", of)
+    how = "" if sampled == of else " (a seeded sample; --eval-clients)" if sampled == n else \
+        f" (of a seeded sample of {sampled:,}; --eval-clients)"
+    return f"PM over {n:,} of {of:,} clients{how}"
+
+
 def fmt(v) -> str:
     return "   -  " if v is None else f"{100 * v:6.2f}"
 
@@ -303,6 +314,10 @@ def format_summary(summary: dict) -> str:
         label = f"PM {mode}" + (" (global model)" if r["source"] == "global" else "")
         lines.append(f"{label:<28} {fmt(r['acc'])} {fmt(r['many'])} {fmt(r['medium'])} {fmt(r['few'])}"
                      f"   clients: std {100 * r['std']:.2f}, min {100 * r['min']:.2f}, max {100 * r['max']:.2f}")
+    if final["personal"]:
+        lines.append(pm_population(final))
+    elif final.get("pm_note"):
+        lines.append(final["pm_note"])
     last3 = {k: v for k, v in summary["last3"].items() if k.endswith(".acc")}
     if last3:
         lines.append("mean of the last 3 evaluated rounds: " +

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from .base import Dataset
 from .datasets import load_dataset
 from .partition import count_matrix
-from .split import default_lt_profile, split_training_set
+from .split import default_lt_profile, leaf_sample_split, split_training_set
 from .transforms import apply_augment, draw_augment, to_device, to_float
 
 
@@ -340,17 +340,14 @@ def class_pools(y: np.ndarray, num_classes: int) -> list[np.ndarray]:
 
 
 def own_test_split(part: np.ndarray, fraction: float, seed: int, client_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """LEAF's per-user split of one client's samples (``split_data.py``): a client with at least 2 samples keeps
-    ``max(1, floor((1 - fraction) * n))`` of them, drawn at random (seeded per client), for training and tests on
-    the rest; a client with fewer keeps its one sample for training and has no test set (LEAF drops such users;
-    fedlt keeps every client). Returns (train, test), each in the client's sample order."""
-    n = len(part)
-    if fraction <= 0 or n < 2:
+    """LEAF's per-user split of one client's samples (:func:`~fedlt.data.split.leaf_sample_split`, seeded per
+    client): a client with at least 2 samples keeps ``max(1, floor((1 - fraction) n))`` of them for training
+    and tests on the rest; a client with fewer keeps its sample for training and has no test set (LEAF drops
+    such users; fedlt keeps every client). Returns (train, test), each in the client's sample order."""
+    if fraction <= 0 or len(part) < 2:
         return part, part[:0]
-    n_train = 1 if n == 2 else max(1, int((1 - fraction) * n))
-    train = np.zeros(n, bool)
-    train[np.random.default_rng([seed, 14, client_id]).choice(n, size=n_train, replace=False)] = True
-    return part[train], part[~train]
+    train, test = leaf_sample_split(len(part), np.random.default_rng([seed, 14, client_id]), 1 - fraction)
+    return part[train], part[test]
 
 
 def check_clients(parts: list, clients: int) -> None:
@@ -425,5 +422,5 @@ def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None
                     partition=partition_name, clients=clients, seed=seed, partition_file=partition_file,
                     **(partition_kw or {}), **({"client_test_fraction": client_test_fraction}
                                                if client_test_fraction else {}))
-    return Federation(ds, clients_data, np.bincount(ylt, minlength=ds.num_classes), counts, prep, settings,
+    return Federation(ds, clients_data, counts.sum(0), counts, prep, settings,
                       *test, where=where, layout=(keep, *ragged))

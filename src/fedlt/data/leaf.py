@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import DataError
 from ..registry import DATASETS
 from .base import Dataset, candidate_dirs
+from .split import leaf_sample_split
 from .store import Cache, file_signature, key_of, require_pillow
 
 NUM_CLASSES, SIDE = 62, 28
@@ -74,16 +75,6 @@ def read_leaf_file(path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
     return out
 
 
-def _sample_split(n: int, rng: np.random.Generator, frac: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
-    """LEAF's per-user sample split (``split_data.py -t sample``): max(1, int(frac n)) training samples (1 of
-    2), the rest for testing; users with fewer than 2 samples are dropped."""
-    if n < 2:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    k = 1 if n == 2 else max(1, int(frac * n))
-    train = np.sort(rng.choice(n, size=k, replace=False))
-    return train, np.setdiff1d(np.arange(n), train)
-
-
 @DATASETS.register("femnist")
 def load_femnist(data_dir: str | None = None, **_) -> Dataset:
     """FEMNIST (LEAF): 28x28 handwritten characters, 62 classes, ~3,500 writers; LEAF JSON (fedlt data fetch).
@@ -132,7 +123,7 @@ def _build_cache(cache: Cache, layout: dict[str, list[Path]]) -> None:
         rng = np.random.default_rng(0)  # the split belongs to the dataset, not to a run
         for f in layout["all"]:
             for u, x, y in read_leaf_file(f):
-                tr, te = _sample_split(len(y), rng)
+                tr, te = leaf_sample_split(len(y), rng)
                 if len(tr):
                     add("train", u, x[tr], y[tr])
                     add("test", u, x[te], y[te])

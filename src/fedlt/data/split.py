@@ -36,6 +36,16 @@ class Split:
     test_index: list[np.ndarray] | None = None  # per client: its own test samples (a natural partition's users)
 
 
+def leaf_sample_split(n: int, rng: np.random.Generator, frac: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
+    """LEAF's per-user sample split (``split_data.py -t sample``): max(1, int(frac n)) training samples (1 of
+    2), the rest for testing; users with fewer than 2 samples are dropped (both lists empty)."""
+    if n < 2:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    k = 1 if n == 2 else max(1, int(frac * n))
+    train = np.sort(rng.choice(n, size=k, replace=False))
+    return train, np.setdiff1d(np.arange(n), train)
+
+
 def default_lt_profile(dataset: str, partition_name: str, partition_file: str | None) -> str:
     """``exp`` for balanced datasets; ``none`` for datasets that are long-tailed as published (ImageNet-LT,
     iNaturalist, FEMNIST, the IMU set), for ``local-longtail`` (which makes each client long-tailed itself) and
