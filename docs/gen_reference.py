@@ -6,19 +6,17 @@ cannot drift from it.
   of its ``Params``), its inference modes and its paper-vs-official options (the docstring's "Inference" and
   "Paper vs." paragraphs), whether it has a generic and a personal model, whether its clients can be batched,
   its post-training phases, and the whole docstring (the algorithm box).
+- ``settings.md``: every run setting (``fedlt.config.RunConfig``), from its declaration (``fedlt.decl``): TOML
+  key, command line, type, default, what it allows and what it means.
 - ``api.md``: every name of ``fedlt.__all__``, rendered by mkdocstrings from its docstring.
 
 The package is imported from this checkout's ``src`` (not from whatever fedlt is installed).
 """
 from __future__ import annotations
 
-import ast
-import dataclasses
 import inspect
-import io
 import re
 import sys
-import tokenize
 from pathlib import Path
 
 SECTION = "Method reference"  # the nav entry whose children are generated
@@ -44,7 +42,7 @@ def _methods(root: Path) -> list[tuple[str, type]]:
 
 def page_uris(root: Path) -> list[str]:
     """The pages this hook writes, relative to ``docs/`` (pages and tests may link to them)."""
-    return ["api.md", "methods/index.md"] + [f"methods/{name}.md" for name, _ in _methods(root)]
+    return ["api.md", "settings.md", "methods/index.md"] + [f"methods/{name}.md" for name, _ in _methods(root)]
 
 
 def on_config(config):
@@ -64,6 +62,7 @@ def on_files(files, config):
     for name, cls in methods:
         files.append(File.generated(config, f"methods/{name}.md", content=method_page(name, cls)))
     files.append(File.generated(config, "api.md", content=api_page(_fedlt(_root(config)))))
+    files.append(File.generated(config, "settings.md", content=settings_page(_fedlt(_root(config)))))
     return files
 
 
@@ -124,10 +123,12 @@ def method_page(name: str, cls) -> str:
            "## Parameters", ""]
     params = parameters(cls)
     if params:
-        out += ["| name | type | default | meaning |", "| --- | --- | --- | --- |"]
-        out += [f"| `{n}` | `{t}` | `{d!r}` | {_cell(m)} |" for n, t, d, m in params]
-        out += ["", f"Set one with `fedlt run --method {name} --set {params[0][0]}=VALUE` (or `params = "
-                    f"{{{params[0][0]} = ...}}` in a TOML config)."]
+        out += ["| name | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
+        out += [f"| `{r['name']}` | {r['type']} | {_cell(r['default'])} | {_cell(r['allowed'])} | {_cell(r['help'])} |"
+                for r in params]
+        out += ["", f"Set one with `fedlt run --method {name} --set {params[0]['name']}=VALUE` (or `params = "
+                    f"{{{params[0]['name']} = ...}}` in a TOML config); `fedlt list {name}` shows this table. None "
+                    f"stands for what its default says."]
     else:
         out += ["None."]
     for title, pattern, none in (
@@ -142,45 +143,12 @@ def method_page(name: str, cls) -> str:
     return "\n".join(out)
 
 
-def parameters(cls) -> list[tuple[str, str, object, str]]:
-    """(name, type, default, meaning) of every field of ``cls.Params``; the meaning is the comment written
-    after the field (searched in each class of the Params hierarchy that declares it)."""
-    comments: dict[str, str] = {}
-    for klass in reversed(cls.Params.__mro__):
-        if klass is object:
-            continue
-        try:
-            src = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        comments.update(field_comments(src))
-    out = []
-    for f in dataclasses.fields(cls.Params):
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = "(required)"
-        typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        out.append((f.name, typ, default, comments.get(f.name, "")))
-    return out
+def parameters(cls) -> list[dict[str, str]]:
+    """name, type, default (None with its meaning), allowed (range, choices) and help of every field of
+    ``cls.Params``, from its declaration (``fedlt.decl``); a plain field's help is the comment beside it."""
+    from fedlt.decl import rows
 
-
-def field_comments(source: str) -> dict[str, str]:
-    """``{field: the comment on its line}`` for the annotated assignments of a class's source."""
-    source = inspect.cleandoc("\n" + source) if source.startswith((" ", "\t")) else source
-    line_comment = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            line_comment[tok.start[0]] = tok.string.lstrip("#").strip()
-    out = {}
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            text = " ".join(line_comment[n] for n in range(node.lineno, node.end_lineno + 1) if n in line_comment)
-            if text:
-                out[node.target.id] = text
-    return out
+    return rows(cls.Params)
 
 
 def paragraph(doc: str, pattern: str) -> str:
@@ -207,6 +175,33 @@ def _md_text(s: str) -> str:
 
 def _cell(s: str) -> str:
     return _md_text(s).replace("|", r"\|")
+
+
+# ------------------------------------------------------------------------------------------------ settings
+def settings_page(fedlt) -> str:
+    """Every run setting, in tables by group, from its declaration."""
+    from fedlt.config import RunConfig
+    from fedlt.decl import rows
+
+    out = ["# Run settings", "",
+           "Every setting of a run, written from its declaration in `fedlt.config.RunConfig` when the site is built "
+           "(`fedlt list settings` prints the same). A setting is a key of a TOML config (`rounds = 50`), a "
+           "command-line option of `fedlt run`, `compare` and `flower run/simulate/inprocess/app` (`--rounds 50`), "
+           "and a keyword of `fedlt.run(...)`; the same checks apply everywhere, and bad input is one line and exit "
+           "status 2. Method parameters are listed on each method's page (`--set KEY=VALUE`, `[params]`).", "",
+           "A *limit* catches a typo (an extra zero) before an hour of allocation: pass it on purpose with "
+           "`--allow-large` (`allow_large = true`). Every float must be finite and fit a float32.", ""]
+    group = None
+    for r in rows(RunConfig, groups=("data", "training")):
+        if r["group"] != group:
+            group = r["group"]
+            out += ["", f"## {group.capitalize() if group else 'Other'}", "",
+                    "| setting | command line | type | default | allowed | meaning |",
+                    "| --- | --- | --- | --- | --- | --- |"]
+        flag = ", ".join(f"`{f}`" for f in r["flag"].split(", ")) if r["flag"] else "(TOML, Python)"
+        out.append(f"| `{r['name']}` | {flag} | {r['type']} | {_cell(r['default'])} | {_cell(r['allowed'])} | "
+                   f"{_cell(r['help'])} |")
+    return "\n".join(out + [""])
 
 
 # ------------------------------------------------------------------------------------------------ API

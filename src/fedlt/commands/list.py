@@ -7,6 +7,9 @@ ORDER = 90
 
 
 def add_arguments(p) -> None:
+    p.add_argument("what", nargs="?", metavar="settings|METHOD",
+                   help="the run settings (each with its command line, default and range), or one method's "
+                        "parameters; default: everything by name")
     p.add_argument("--method-file", metavar="FILE.py", help="also list the methods this file registers")
 
 
@@ -15,10 +18,46 @@ def _first_line(obj) -> str:
     return doc[0] if doc else ""
 
 
+def print_rows(rows: list[dict], flags: bool = True) -> None:
+    """A declared dataclass's settings (fedlt.decl.rows), one block each: name, type and default (and the
+    command-line spelling), then the help and what is allowed, indented."""
+    group = None
+    for r in rows:
+        if r["group"] != group and r["group"]:
+            group = r["group"]
+            print(f"{group}:")
+        head = f"  {r['name']:<20} {r['type']} = {r['default']}"
+        print(head + (f"   [{r['flag']}]" if r["flag"] and flags else ""))
+        for line in (r["help"], r["allowed"]):
+            if line:
+                print(f"  {'':<20} {line}")
+
+
 def main(args) -> int:
+    from ..registry import METHODS
+
+    if args.what == "settings":
+        from ..config import RunConfig
+        from ..decl import rows
+
+        print("run settings (TOML key, type = default, [command line]; then its meaning and what it allows):")
+        print_rows(rows(RunConfig, groups=("data", "training")))
+        return 0
+    if args.what is not None:
+        from ..decl import rows
+        from ..plugins import load_method_file
+
+        if args.method_file:
+            load_method_file(args.method_file)
+        cls = METHODS.get(args.what)
+        print(f"{args.what}: parameters (--set NAME=VALUE, [params] in TOML; type = default, then meaning and "
+              f"what it allows):")
+        params = rows(cls.Params)
+        print_rows(params, flags=False) if params else print("  none")
+        return 0
     from ..api import list_methods
     from ..config import PRESETS
-    from ..registry import DATASETS, METHODS, MODELS, PARTITIONS
+    from ..registry import DATASETS, MODELS, PARTITIONS
 
     print("methods ([generic] and/or [personal] models; 'batched': a round's clients can train together, "
           "--client-parallel):")

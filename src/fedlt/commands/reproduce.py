@@ -12,6 +12,9 @@ ORDER = 35
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..config import RunConfig
+    from ..decl import add_arguments
+
     p.add_argument("table", nargs="?", metavar="TABLE", help="a table, e.g. fedloge-table1 (`--list` shows them)")
     p.add_argument("--list", action="store_true", help="the tables, their size and their presets")
     p.add_argument("--methods", help="comma-separated method labels of the table (default: all it has)")
@@ -22,10 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="replace a run setting in every run (e.g. model=resnet8); the report says it is not the "
                         "paper's protocol")
-    p.add_argument("--device", help="cpu (default) or cuda")
-    p.add_argument("--data-dir", help="folder with the dataset files (else $FEDLT_DATA, then the default location)")
+    add_arguments(p, RunConfig, ["device", "data_dir"], typed=True)
     p.add_argument("--out", help="the sweep folder (default runs/reproduce-TABLE[-roundsR])")
-    p.add_argument("--threads", type=int, help="torch CPU threads per run")
+    add_arguments(p, RunConfig, ["threads"], typed=True)
     p.add_argument("--dry-run", action="store_true", help="print the runs and where the data is; write nothing")
     p.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
                    help="rounds between checkpoints, for resuming after a kill (default 1; 0: none)")

@@ -9,10 +9,13 @@ ORDER = 30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..config import RunConfig
+    from ..decl import add_arguments
+
     p.add_argument("file", metavar="FILE.toml", help="the sweep file (see fedlt.experiments.sweep for its format)")
     p.add_argument("--out", help="the sweep directory (default: the file's `out`, else runs/<file name>)")
     add_sweep_arguments(p)
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    add_arguments(p, RunConfig, ["threads"], typed=True)
     p.add_argument("--dry-run", action="store_true", help="list the runs and their status; run nothing")
 
 

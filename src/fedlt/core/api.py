@@ -23,7 +23,6 @@ eval_payload(state, cid)                ==>   personal_model(payload, cstate, da
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..decl import from_values
 from ..models import Model, build_model
 from .spec import RunSpec, load_weights, weights_of
 from .steps import run_steps
@@ -110,19 +109,10 @@ class Method:
     # ---------------------------------------------------------------- hyper-parameters
     @classmethod
     def make_params(cls, overrides: dict[str, Any] | None = None):
-        """Params from defaults plus overrides (strings from the command line are converted)."""
-        fields = {f.name: f for f in dataclasses.fields(cls.Params)}
-        values = {}
-        for k, v in (overrides or {}).items():
-            key = k.replace("-", "_")
-            if key not in fields:
-                known = ", ".join(fields) or "none"
-                raise ConfigError(f"method {cls.name} has no parameter {k!r}; its parameters: {known}")
-            default = getattr(cls.Params(), key)
-            values[key] = _coerce(v, default, f"{cls.name}.{k}")
-            if isinstance(values[key], float) and not np.isfinite(values[key]):
-                raise ConfigError(f"{cls.name}.{k} must be a finite number, got {v!r}")
-        return cls.Params(**values)
+        """Params from defaults plus overrides (TOML values, or text from the command line), each coerced to its
+        declared type and checked against its declaration (:mod:`fedlt.decl`): one-line ConfigErrors."""
+        return from_values(cls.Params, dict(overrides or {}), prefix=cls.name, owner=f"method {cls.name}",
+                           what="parameter")
 
     # ---------------------------------------------------------------- models
     # fp16 needs a gradient scaler around every backward and optimiser step: the shared loop and the step
@@ -237,37 +227,3 @@ class Method:
         self._eval_net.eval()
         return self._eval_net
 
-
-def _coerce(v: Any, default: Any, label: str) -> Any:
-    if default is None:
-        return v
-    if not isinstance(v, str) or isinstance(default, str):  # a TOML value: its type must fit the default's
-        if isinstance(default, bool) or isinstance(v, bool):
-            if type(v) is not type(default):
-                raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}")
-            return v
-        if isinstance(default, (int, float)) and isinstance(v, (int, float)):
-            if isinstance(default, int) and not float(v).is_integer():
-                raise ConfigError(f"{label} expects an int, got {v!r}")
-            return type(default)(v)
-        if isinstance(default, (tuple, list)) and isinstance(v, (tuple, list)):
-            return type(default)(v)
-        if type(v) is not type(default):
-            raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}")
-        return v
-    try:
-        if isinstance(default, bool):
-            if v.lower() in ("1", "true", "yes", "on"):
-                return True
-            if v.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if isinstance(default, int):
-            return int(v)
-        if isinstance(default, float):
-            return float(v)
-        if isinstance(default, (tuple, list)):
-            return type(default)(type(default[0])(x) for x in v.split(",")) if default else tuple(v.split(","))
-    except ValueError:
-        raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}") from None
-    return v

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError
-from ..registry import PARTITIONS
+from ..registry import DATASETS, PARTITIONS
 
 
 def least_samples(n: int, num_clients: int) -> int:
@@ -258,8 +258,8 @@ def natural(labels, num_clients: int, num_classes: int, seed: int, groups=None, 
     sampling picks users at random too); clients keep the users' order in the dataset files and hold all
     of their user's samples."""
     if groups is None:
-        raise ConfigError("partition natural needs a dataset whose samples have owners (femnist, inat-user, "
-                          "imu); this one has none")
+        owned = ", ".join(n for n, d in DATASETS.items() if getattr(d, "natural_groups", False))
+        raise ConfigError(f"partition natural needs a dataset whose samples have owners ({owned}); this one has none")
     groups = np.asarray(groups)
     users = np.unique(groups)
     if num_clients > len(users):
@@ -269,6 +269,13 @@ def natural(labels, num_clients: int, num_classes: int, seed: int, groups=None, 
     starts = np.searchsorted(groups[order], chosen)
     ends = np.searchsorted(groups[order], chosen, side="right")
     return [np.sort(order[a:b]) for a, b in zip(starts, ends)]
+
+
+@PARTITIONS.register("file")
+def from_file(labels, num_clients: int, num_classes: int, seed: int, **_):
+    """The clients of a partition file (``--partition-file FILE.json``, which sets this partition): the file's
+    index lists replace the long-tail subset and the partition (:mod:`fedlt.data.split`)."""
+    raise ConfigError("partition file needs --partition-file FILE.json")
 
 
 def partition(name: str, labels, num_clients: int, num_classes: int, seed: int, **kw) -> list[np.ndarray]:

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..config import SETTINGS
 from ..errors import ConfigError
 from ..jsonutil import jsonable
 from ..safefile import load_tree, save_tree
@@ -36,14 +37,18 @@ NEXT = "checkpoint.next.safetensors"  # a complete checkpoint not yet renamed in
 FINAL_STATE = "final_state.safetensors"
 LEGACY = ("checkpoint.pt", "final_state.pt")  # fedlt 0.1: pickles, never loaded
 METRICS = "metrics.jsonl"
-# settings that may differ between a run and its resumption (where and how it runs, not what it computes)
-NOT_COMPARED = frozenset({"out", "name", "threads", "device", "data_placement", "preset", "data_dir", "labels",
-                          "engine", "on_diverge", "diverge_factor", "flower"})
+# what may differ between a run and its resumption (where and how it runs, not what it computes): the run
+# settings declared with result=False (fedlt.config.RunConfig), and the engine's own records
+NOT_COMPARED = frozenset({name for name, s in SETTINGS.items() if not s.decl.result} |
+                         {"labels", "engine", "flower"})
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
-    """``key: saved -> current`` for every setting of ``current`` (less NOT_COMPARED) that differs."""
+    """``key: saved -> current`` for every setting of ``current`` (less NOT_COMPARED) that differs. A run
+    setting that ``saved`` lacks (a run directory made before the setting existed) had its default."""
     keys = set(current) - NOT_COMPARED
+    old = {k: SETTINGS[k].default for k in keys if k not in saved and k in SETTINGS}
+    saved = {**old, **saved}
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(keys)
             if _plain(saved.get(k)) != _plain(current.get(k))]
 

@@ -1,0 +1,587 @@
+"""One declaration per setting: a dataclass field made with :func:`setting` carries its type (the annotation),
+default, help, range or choices, unit and command-line spelling, and everything else is derived from it:
+
+- :func:`coerce` turns a TOML, JSON, Python or command-line value into the field's type, and :func:`check`
+  refuses what the declaration does not allow, each with a one-line :class:`~fedlt.errors.ConfigError`;
+- :func:`add_arguments` writes the argparse options (help texts name the registries' entries when shown);
+- :func:`rows` describes every setting for the documentation's tables and ``fedlt list``.
+
+``RunConfig`` (``fedlt.config``), every method's ``Params`` and the partitions' settings are declared this
+way, so a new setting is one line::
+
+    @dataclass
+    class Params:
+        mu: float = setting(0.01, "proximal coefficient", low=0)
+        beta: float | None = setting(None, "sparsity", low=0, high=1, high_open=True,
+                                     none_means="the kind's default (0.6 for sse-c, 0 for the others)")
+
+The declaration is plain data (:class:`Decl`), so tools can read it: the generated pages, and property-based
+tests that draw values inside and outside every declared range. Numbers are always checked to be finite
+and, for floats, to fit a float32 (the tensors they end up in); an int without an upper bound fits an int64.
+
+A *limit* (``limit=``) is an upper bound that no ordinary experiment reaches, so that a typo (an extra zero)
+is an error instead of an hour of allocation; a run may pass it on purpose with ``allow_large``
+(``--allow-large``). A *bound* (``high=``) cannot be passed.
+
+Fields declared without :func:`setting` (a plugin's plain ``@dataclass class Params`` with comments) keep
+working: their values are converted to the default's type, as before, and only checked to be finite.
+
+This module is the bottom layer: it imports nothing of fedlt but its errors.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import operator
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from .errors import ConfigError
+
+FLOAT32_MAX = 3.4028234663852886e38
+INT64 = (-(2**63), 2**63 - 1)
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+ALLOW_LARGE = "--allow-large"  # the command-line switch that lifts the limits (RunConfig.allow_large)
+
+
+@dataclass(frozen=True)
+class Decl:
+    """What :func:`setting` records beside the default (``field.metadata["decl"]``)."""
+
+    help: str = ""
+    choices: tuple | Callable[[], Iterable] | None = None  # allowed values (a callable: computed when asked)
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low < value (else low <= value)
+    high_open: bool = False
+    limit: float | None = None  # soft upper bound: passed only with allow_large
+    numbers: type | None = None  # a str setting whose value is one of ``choices`` or a number of this type
+    unit: str | None = None  # of the value ("s", "bytes", "clients"): shown in help and tables
+    flags: tuple[str, ...] = ()  # extra command-line spellings (``--rho``)
+    metavar: str | None = None
+    group: str | None = None  # argument group and table section
+    registry: Any = None  # a fedlt.registry.Registry: the value must be one of its names ("did you mean")
+    none_means: str | None = None  # what None stands for ("the dataset's default")
+    old_none: str | None = None  # what earlier versions wrote for None ("< 0", "== 0"): still read as None
+    parse: Callable[[Any], Any] | None = None  # a notation of its own (byte sizes, round lists): value -> value
+    hint: Callable[[Any], str] | None = None  # advice added to an out-of-range error ("did you mean 100?")
+    label: str | None = None  # the setting's name in messages (default: its command-line spelling)
+    cli: bool = True  # has a command-line option
+    result: bool = True  # False: changes where or how a run executes, never its numbers (a resume may change it)
+
+    def allowed(self) -> tuple | None:
+        c = self.choices
+        return tuple(c()) if callable(c) else c
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
+            **decl: Any) -> Any:
+    """A dataclass field with its declaration (see :class:`Decl` for the keywords). ``factory`` instead of
+    ``default`` for a mutable default."""
+    meta = {"decl": Decl(help=help, **decl)}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+# ------------------------------------------------------------------------------------------------ the settings
+@dataclass(frozen=True)
+class Setting:
+    """One field of a declared dataclass, resolved: its type and declaration."""
+
+    name: str
+    kind: type | None  # bool, int, float, str, tuple (of ``item``), or None: anything (an unresolved annotation)
+    item: type | None
+    nullable: bool
+    default: Any
+    decl: Decl
+    declared: bool  # made with setting(); False: a plain field (converted like its default, as before)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def label(self, prefix: str | None = None) -> str:
+        if prefix:
+            return f"{prefix}.{self.name}"
+        return self.decl.label or self.name.replace("_", "-")
+
+
+_CACHE: dict[type, dict[str, Setting]] = {}
+
+
+def settings_of(cls: type) -> dict[str, Setting]:
+    """``{name: Setting}`` of a dataclass, in field order."""
+    if cls not in _CACHE:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001 -- an annotation that does not evaluate: the defaults' types then
+            hints = {}
+        out = {}
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = dataclasses.MISSING
+            kind, item, nullable = _kind(hints.get(f.name), default)
+            decl = f.metadata.get("decl")
+            out[f.name] = Setting(f.name, kind, item, nullable, default, decl or Decl(), decl is not None)
+        _CACHE[cls] = out
+    return _CACHE[cls]
+
+
+def _kind(hint, default) -> tuple[type | None, type | None, bool]:
+    """(kind, item kind, nullable) of an annotation; an unknown one falls back on the default's type."""
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    nullable = type(None) in args
+    if nullable:
+        rest = [a for a in args if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else None
+        args, origin = typing.get_args(hint), typing.get_origin(hint)
+    if hint in (bool, int, float, str):
+        return hint, None, nullable
+    if hint is dict or origin is dict:
+        return dict, None, nullable
+    if origin in (tuple, list) and args and args[0] in (bool, int, float, str):
+        return tuple, args[0], nullable
+    if default is not None and default is not dataclasses.MISSING and type(default) in (bool, int, float, str):
+        return type(default), None, nullable or hint is None
+    return None, None, True
+
+
+# ------------------------------------------------------------------------------------------------ values
+def _kind_name(kind) -> str:
+    return {bool: "bool", int: "int", float: "float", str: "str", tuple: "list", dict: "table"}.get(kind, "value")
+
+
+def _num(x) -> str:
+    if isinstance(x, int) and not isinstance(x, bool):
+        return f"2^{(x + 1).bit_length() - 1}-1" if x >= 2**16 and (x + 1) & x == 0 else str(x)
+    return f"{x:g}"
+
+
+def _words(items) -> str:
+    items = [str(x) for x in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def coerce(s: Setting, value: Any, prefix: str | None = None) -> Any:
+    """``value`` (from TOML, JSON, Python or the command line) as the setting's type, or a one-line
+    ConfigError. Checks nothing else (see :func:`check`)."""
+    label = s.label(prefix)
+    if not s.declared:
+        return _legacy(value, s.default, label)
+    d = s.decl
+    if value is None:
+        if s.nullable:
+            return None
+        raise ConfigError(f"{label} expects a {_kind_name(s.kind)}, got None")
+    if d.parse is not None:
+        try:
+            return d.parse(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{label}: cannot read {value!r}" + (f" ({d.metavar})" if d.metavar else "")) from None
+    if s.nullable and s.kind in (int, float) and isinstance(value, str) and value.strip().lower() == "none":
+        return None
+    if s.kind is tuple:
+        items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{label} expects a list (a TOML list, or comma-separated), got {value!r}")
+        return tuple(_scalar(s.item, x, label) for x in items)
+    if s.kind is None:
+        return value
+    if s.kind is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{label} expects a table (a dict), got {value!r}")
+        return value
+    return _scalar(s.kind, value, label)
+
+
+def _scalar(kind, v, label):
+    if kind is bool:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.strip().lower() in TRUE + FALSE:
+            return v.strip().lower() in TRUE
+        raise ConfigError(f"{label} expects true or false, got {v!r}")
+    if kind is str:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return str(v)
+        raise ConfigError(f"{label} expects a str, got {v!r}")
+    bad = ConfigError(f"{label} expects a {_kind_name(kind)}, got {v!r}")
+    if isinstance(v, bool):
+        raise bad
+    if isinstance(v, str):
+        try:
+            return kind(v.strip())
+        except ValueError:
+            raise bad from None
+    if kind is int and isinstance(v, float):
+        if not v.is_integer():
+            raise bad
+        return int(v)
+    if isinstance(v, (int, float)):
+        return kind(v)
+    raise bad
+
+
+def _legacy(v: Any, default: Any, label: str) -> Any:
+    """A plain (undeclared) field: converted to its default's type, as fedlt did before declarations."""
+    if default is None or default is dataclasses.MISSING:
+        return v
+    if not isinstance(v, str) or isinstance(default, str):  # a TOML value: its type must fit the default's
+        if isinstance(default, bool) or isinstance(v, bool):
+            if type(v) is not type(default):
+                raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}")
+            return v
+        if isinstance(default, (int, float)) and isinstance(v, (int, float)):
+            if isinstance(default, int) and not float(v).is_integer():
+                raise ConfigError(f"{label} expects an int, got {v!r}")
+            return type(default)(v)
+        if isinstance(default, (tuple, list)) and isinstance(v, (tuple, list)):
+            return type(default)(v)
+        if type(v) is not type(default):
+            raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}")
+        return v
+    try:
+        if isinstance(default, bool):
+            if v.lower() in TRUE:
+                return True
+            if v.lower() in FALSE:
+                return False
+            raise ValueError
+        if isinstance(default, int):
+            return int(v)
+        if isinstance(default, float):
+            return float(v)
+        if isinstance(default, (tuple, list)):
+            return type(default)(type(default[0])(x) for x in v.split(",")) if default else tuple(v.split(","))
+    except ValueError:
+        raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}") from None
+    return v
+
+
+_OPS = {"<": operator.lt, "<=": operator.le, "==": operator.eq}
+
+
+def was_none(s: Setting, value: Any) -> bool:
+    """Whether ``value`` is what an earlier version wrote for None (``old_none``, e.g. ``"< 0"``)."""
+    rule = s.decl.old_none
+    if rule is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    op, num = rule.split()
+    return _OPS[op](value, float(num))
+
+
+def range_text(d: Decl) -> str:
+    """``in [0, 1)``, ``>= 1``, ``> 0``, ``<= 5`` or "" (no bound declared)."""
+    if d.low is not None and d.high is not None:
+        return f"in {'(' if d.low_open else '['}{_num(d.low)}, {_num(d.high)}{')' if d.high_open else ']'}"
+    if d.low is not None:
+        return f"{'>' if d.low_open else '>='} {_num(d.low)}"
+    if d.high is not None:
+        return f"{'<' if d.high_open else '<='} {_num(d.high)}"
+    return ""
+
+
+def _in_range(d: Decl, v) -> bool:
+    if d.low is not None and not (v > d.low if d.low_open else v >= d.low):
+        return False
+    return d.high is None or (v < d.high if d.high_open else v <= d.high)
+
+
+def check(s: Setting, v: Any, prefix: str | None = None, allow_large: bool = False) -> None:
+    """Refuse a (coerced) value that the declaration does not allow: one line saying what is allowed."""
+    label, d = s.label(prefix), s.decl
+    if v is None:
+        if not s.nullable:
+            raise ConfigError(f"{label} expects a {_kind_name(s.kind)}, got None")
+        return
+    for x in (v if isinstance(v, tuple) and s.kind is tuple else (v,)):
+        _check_one(s, x, label, allow_large)
+
+
+def _check_one(s: Setting, v: Any, label: str, allow_large: bool) -> None:
+    d = s.decl
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ConfigError(f"{label} must be a finite number, got {v}")
+        if abs(v) > FLOAT32_MAX:
+            raise ConfigError(f"{label} {v:g} is out of range (a float32 holds at most {FLOAT32_MAX:.4g})")
+    if not s.declared:
+        return
+    allowed = d.allowed()
+    if d.numbers is not None and isinstance(v, str):  # a word of ``choices``, or a number in range
+        if v in (allowed or ()):
+            return
+        try:
+            n = d.numbers(v)
+        except ValueError:
+            n = None
+        if n is None or not _in_range(d, n):
+            what = f"a number{' of ' + d.unit if d.unit else ''} {range_text(d)}".rstrip()
+            raise ConfigError(f"{label} must be {_words([*(allowed or ()), what])}, got {v!r}")
+        return
+    if allowed is not None and v not in allowed:
+        raise ConfigError(f"unknown {label} {v!r}; choose {_words(allowed)}")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if not _in_range(d, v):
+            hint = d.hint(v) if d.hint else ""
+            raise ConfigError(f"{label} must be {range_text(d)}, got {_num(v)}" + (f"; {hint}" if hint else ""))
+        if d.limit is not None and v > d.limit and not allow_large:
+            raise ConfigError(f"{label} {_num(v)} is out of range (at most {d.limit:,}; {ALLOW_LARGE} "
+                              f"allows more on purpose)")
+        if isinstance(v, int) and d.high is None and not INT64[0] <= v <= INT64[1]:
+            raise ConfigError(f"{label} {v} is out of range (at most {INT64[1]:,})")
+    if d.registry is not None and isinstance(v, str):
+        d.registry.get(v)  # an unknown name: its one-line error, with "did you mean"
+
+
+def check_values(obj: Any, prefix: str | None = None, allow_large: bool = False, names=None) -> None:
+    """Coerce (in place) and check every declared field of the dataclass instance ``obj``."""
+    for name, s in settings_of(type(obj)).items():
+        if names is not None and name not in names:
+            continue
+        v = coerce(s, getattr(obj, name), prefix)
+        check(s, v, prefix, allow_large)
+        object.__setattr__(obj, name, v)
+
+
+def from_values(cls: type, values: dict[str, Any], prefix: str | None = None, owner: str = "the run",
+                what: str = "setting", allow_large: bool = False):
+    """An instance of the declared dataclass ``cls`` from ``values`` (coerced, then every field checked);
+    ``old_none`` values read as None. An unknown key (``-`` read as ``_``) is a one-line error that lists the
+    known ones: "``owner`` has no ``what`` 'KEY'; its ``what``s: ..."."""
+    sets = settings_of(cls)
+    kw = {}
+    for k, v in values.items():
+        key = k.replace("-", "_")
+        if key not in sets:
+            known = ", ".join(sets) or "none"
+            raise ConfigError(f"{owner} has no {what} {k!r}; its {what}s: {known}")
+        s = sets[key]
+        kw[key] = None if (s.declared and was_none(s, v)) else coerce(s, v, prefix)
+    obj = cls(**kw)
+    check_values(obj, prefix, allow_large)
+    return obj
+
+
+def read_old(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with what earlier versions wrote for None replaced by None (saved configs, checkpoints)."""
+    sets = settings_of(cls)
+    return {k: (None if k in sets and was_none(sets[k], v) else v) for k, v in values.items()}
+
+
+# ------------------------------------------------------------------------------------------------ notations
+_SIZES = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(value: Any) -> int:
+    """``"2GB"``, ``"512MiB"``, ``"1.5g"``, ``10**9`` -> bytes (an int); ValueError for anything else.
+    A declaration's ``parse`` for a memory size: ``setting(None, "...", parse=byte_size, unit="bytes")``."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, (int, float)):
+        n = float(value)
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(num):]
+        if unit not in _SIZES or not num:
+            raise ValueError(value)
+        n = float(num) * _SIZES[unit]
+    if not math.isfinite(n) or n < 0 or n > INT64[1]:
+        raise ValueError(value)
+    return int(n)
+
+
+# ------------------------------------------------------------------------------------------------ descriptions
+def type_text(s: Setting) -> str:
+    if s.kind is tuple:
+        t = f"list of {_kind_name(s.item)}"
+    elif s.decl.numbers is not None:
+        t = f"{_kind_name(s.kind)} or {_kind_name(s.decl.numbers)}"
+    else:
+        t = _kind_name(s.kind)
+    return t + (" or None" if s.nullable else "")
+
+
+def default_text(s: Setting) -> str:
+    v = s.default
+    if v is dataclasses.MISSING:
+        return "(required)"
+    if v is None:
+        return "None" + (f": {s.decl.none_means}" if s.decl.none_means else "")
+    if isinstance(v, tuple):
+        return ",".join(map(str, v)) or "(none)"
+    if isinstance(v, str):
+        return v or '""'
+    return str(v).lower() if isinstance(v, bool) else _num(v) if isinstance(v, float) else str(v)
+
+
+def allowed_text(s: Setting) -> str:
+    """Choices, registry, range, limit and unit, in words ("" when anything of the type goes)."""
+    d = s.decl
+    parts = []
+    allowed = d.allowed()
+    if d.registry is not None:
+        parts.append(f"a {d.registry.kind} name: {', '.join(d.registry.names())}")
+    if allowed is not None:
+        parts.append(", ".join(map(str, allowed)))
+    r = range_text(d)
+    if r:
+        parts.append(f"a number {r}" if d.numbers is not None else r)
+    if d.limit is not None:
+        parts.append(f"at most {d.limit:,} unless {ALLOW_LARGE}")
+    if d.unit:
+        parts.append(d.unit)
+    if d.old_none:
+        parts.append(f"{d.old_none} also means None (earlier versions)")
+    return "; ".join(parts)
+
+
+def rows(cls: type, comments: dict[str, str] | None = None, groups: Iterable[str] = ()) -> list[dict[str, str]]:
+    """One dict per field (name, flag, type, default, allowed, help, group) for tables: the documentation's
+    and ``fedlt list``'s, in field order within ``groups`` (in that order; the others after them, ungrouped
+    last). A plain field's help is the comment written beside it (``comments``, else read from the source of
+    ``cls`` and its bases)."""
+    if comments is None and not all(s.declared for s in settings_of(cls).values()):
+        comments = field_comments(cls)
+    out = []
+    for s in settings_of(cls).values():
+        out.append({"name": s.name, "flag": ", ".join([s.flag, *s.decl.flags]) if s.decl.cli else "",
+                    "type": type_text(s), "default": default_text(s), "allowed": allowed_text(s),
+                    "help": s.decl.help or (comments or {}).get(s.name, ""), "group": s.decl.group or ""})
+    order = list(groups) + [r["group"] for r in out if r["group"]] + [""]
+    return sorted(out, key=lambda r: order.index(r["group"]))
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """``{field: the comment on its line}`` for the annotated fields of ``cls`` and its bases (the style of a
+    plain ``@dataclass class Params`` with a comment beside each field)."""
+    import ast
+    import inspect
+    import io
+    import tokenize
+
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object:
+            continue
+        try:
+            source = inspect.cleandoc("\n" + inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        line_comment = {t.start[0]: t.string.lstrip("#").strip()
+                        for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                text = " ".join(line_comment[n] for n in range(node.lineno, node.end_lineno + 1) if n in line_comment)
+                if text:
+                    out[node.target.id] = text
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ command line
+class _Help(str):
+    """A help text rendered when help is shown (the registries' names are looked up only then)."""
+
+    setting: Setting
+
+
+def help_text(s: Setting) -> str:
+    """The option's help: the declaration's help, then the default and what is allowed."""
+    d = s.decl
+    extra = []
+    if d.registry is not None:
+        extra.append(f"{', '.join(d.registry.names())}")
+    elif callable(d.choices):
+        extra.append(", ".join(map(str, d.allowed())))
+    if s.kind is not bool:
+        extra.append(f"default: {d.none_means}" if s.default is None and d.none_means else
+                     f"default {default_text(s)}")
+    r = range_text(d)
+    if r and d.numbers is None:
+        extra.append(r + (f" {d.unit}" if d.unit else ""))
+    elif d.unit:
+        extra.append(d.unit)
+    if d.limit is not None:
+        extra.append(f"at most {d.limit:,} without {ALLOW_LARGE}")
+    return f"{d.help} ({'; '.join(extra)})" if extra else d.help
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Renders the declared options' help when it is shown (``fedlt run --help``)."""
+
+    def _get_help_string(self, action):
+        h = action.help
+        return help_text(h.setting).replace("%", "%%") if isinstance(h, _Help) else h
+
+
+def metavar_of(s: Setting) -> str | None:
+    d = s.decl
+    if d.metavar:
+        return d.metavar
+    allowed = d.allowed() if not callable(d.choices) else None
+    if allowed is not None:
+        return "|".join([*map(str, allowed), "N"]) if d.numbers is not None else "{" + ",".join(map(str, allowed)) + "}"
+    return {int: "N", float: "X"}.get(s.kind)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, names: Iterable[str] | None = None, *,
+                  groups: dict[str, Any] | None = None, typed: bool = False) -> dict[str, Any] | None:
+    """One option per declared field of ``cls`` that has ``cli`` (or only ``names``). With ``groups`` (a dict,
+    which may hold groups made already), each goes into the argument group named by its ``group``, created on
+    first use; without, into ``parser``. Values stay text (``dest`` = the field's name, None when not given)
+    for :func:`coerce`, unless ``typed``: then argparse coerces and checks them itself (for a command's
+    options that are not a run's settings). Returns the groups."""
+    parser.formatter_class = HelpFormatter
+    wanted = None if names is None else list(names)
+    for s in settings_of(cls).values():
+        if not s.decl.cli or (wanted is not None and s.name not in wanted):
+            continue
+        g = parser
+        if s.decl.group and groups is not None:
+            if s.decl.group not in groups:
+                groups[s.decl.group] = parser.add_argument_group(s.decl.group)
+            g = groups[s.decl.group]
+        h = _Help(s.decl.help or s.name)
+        h.setting = s
+        flags = [s.flag, *s.decl.flags]
+        if s.kind is bool and not s.nullable:
+            if s.default is True:
+                flags = ["--no-" + s.flag[2:]]
+            g.add_argument(*flags, dest=s.name, action="store_const", const=not s.default, default=None, help=h)
+            continue
+        kw: dict[str, Any] = {"dest": s.name, "help": h, "metavar": metavar_of(s)}
+        if typed:
+            kw["type"] = _argparse_type(s)
+        g.add_argument(*flags, **kw)
+    return groups
+
+
+def _argparse_type(s: Setting):
+    def parse(text: str):
+        try:
+            v = coerce(s, text)
+            check(s, v)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return v
+
+    parse.__name__ = _kind_name(s.kind)
+    return parse
+
+
+def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The declared options of ``cls`` that the command line gave (not None)."""
+    return {k: getattr(args, k) for k in settings_of(cls) if getattr(args, k, None) is not None}
+

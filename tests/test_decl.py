@@ -1,0 +1,191 @@
+"""One declaration per setting (fedlt.decl): what a declaration allows is what coercion, checks, the command line
+and the tables derive from it; RunConfig declares every field, and every command that takes run options has one
+option per declared setting, under every spelling fedlt has had."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from fedlt.config import RunConfig, SETTINGS, load_config
+from fedlt.decl import (ALLOW_LARGE, Setting, add_arguments, byte_size, check, coerce, from_values, help_text,
+                        read_old, rows, setting, settings_of)
+from fedlt.errors import ConfigError
+from fedlt.registry import DATASETS
+
+
+@dataclass
+class Demo:
+    rate: float = setting(0.1, "a rate", low=0, low_open=True)
+    frac: float = setting(0.5, "a fraction", low=0, high=1, high_open=True)
+    count: int = setting(3, "a count", low=1, limit=100)
+    kind: str = setting("a", "a kind", choices=("a", "b", "c"))
+    chunk: str = setting("auto", "auto, off or N", choices=("auto", "off"), numbers=int, low=1, unit="clients")
+    scale: float | None = setting(None, "a scale", low=0, none_means="the variant's", old_none="< 0")
+    names: tuple[str, ...] = setting((), "trackers", choices=("csv", "tensorboard"))
+    size: int | None = setting(None, "memory", parse=byte_size, unit="bytes")
+    data: str = setting("digits", "a dataset", registry=DATASETS)
+    on: bool = setting(False, "a switch")
+    plain: int = 4  # an undeclared field, as a plugin's Params may have
+
+
+def s(name: str) -> Setting:
+    return settings_of(Demo)[name]
+
+
+def test_types_come_from_the_annotations():
+    got = {n: (x.kind, x.item, x.nullable, x.declared) for n, x in settings_of(Demo).items()}
+    assert got["rate"] == (float, None, False, True) and got["scale"] == (float, None, True, True)
+    assert got["names"] == (tuple, str, False, True) and got["on"] == (bool, None, False, True)
+    assert got["plain"] == (int, None, False, False)
+
+
+@pytest.mark.parametrize("name,value,want", [
+    ("rate", "0.5", 0.5), ("rate", 2, 2.0), ("count", "7", 7), ("count", 7.0, 7), ("on", "yes", True),
+    ("on", False, False), ("kind", "b", "b"), ("chunk", 4, "4"), ("scale", "none", None), ("scale", None, None),
+    ("names", "csv, tensorboard", ("csv", "tensorboard")), ("names", ["csv"], ("csv",)),
+    ("size", "2GB", 2 * 10**9), ("size", "512MiB", 512 * 2**20), ("plain", "5", 5)])
+def test_values_are_coerced_to_the_declared_type(name, value, want):
+    got = coerce(s(name), value)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("rate", "fast", "rate expects a float, got 'fast'"), ("count", 2.5, "count expects a int, got 2.5"),
+    ("count", True, "count expects a int"), ("on", "maybe", "on expects true or false"),
+    ("kind", [1], "kind expects a str"), ("rate", None, "rate expects a float, got None"),
+    ("size", "2 parsecs", "size: cannot read"), ("plain", "x", "plain expects a int")])
+def test_values_of_the_wrong_type_are_one_line_errors(name, value, needle):
+    with pytest.raises(ConfigError) as e:
+        coerce(s(name), value)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("rate", 0.0, "rate must be > 0, got 0"), ("frac", 1.0, "frac must be in [0, 1), got 1"),
+    ("frac", -0.1, "frac must be in [0, 1)"), ("count", 0, "count must be >= 1, got 0"),
+    ("count", 101, f"count 101 is out of range (at most 100; {ALLOW_LARGE}"),
+    ("count", 2**70, "at most 100"),
+    ("kind", "d", "unknown kind 'd'; choose a, b or c"),
+    ("chunk", "0", "chunk must be auto, off or a number of clients >= 1, got '0'"),
+    ("chunk", "many", "chunk must be auto, off or a number of clients >= 1"),
+    ("names", ("csv", "wandb"), "unknown names 'wandb'; choose csv or tensorboard"),
+    ("rate", float("nan"), "rate must be a finite number, got nan"),
+    ("rate", float("inf"), "rate must be a finite number"),
+    ("rate", 1e39, "a float32 holds at most"), ("plain", float("inf"), "must be a finite number"),
+    ("data", "digit", "did you mean 'digits'")])
+def test_values_outside_the_declaration_are_refused(name, value, needle):
+    with pytest.raises(ConfigError) as e:
+        check(s(name), value)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bounds_hold_exactly_at_the_edges():
+    for name, ok in (("rate", 1e-30), ("frac", 0.0), ("frac", 0.999), ("count", 1), ("count", 100),
+                     ("chunk", "auto"), ("chunk", "1"), ("rate", 3.4e38)):
+        check(s(name), ok)
+    check(s("count"), 10**6, allow_large=True)  # a limit is passed on purpose; a bound never
+    with pytest.raises(ConfigError):
+        check(s("frac"), 5.0, allow_large=True)
+
+
+def test_old_sentinels_read_as_none_and_unknown_keys_list_the_known_ones():
+    d = from_values(Demo, {"scale": -1.0, "count": "5"}, prefix="demo")
+    assert d.scale is None and d.count == 5
+    assert from_values(Demo, {"scale": 0.0}).scale == 0.0  # the rule is "< 0": 0 is a value
+    assert read_old(Demo, {"scale": -1.0, "rate": -1.0}) == {"scale": None, "rate": -1.0}
+    with pytest.raises(ConfigError, match="demo.frac must be in"):
+        from_values(Demo, {"frac": 2}, prefix="demo")
+    with pytest.raises(ConfigError, match="method demo has no parameter 'nu'; its parameters: rate, frac"):
+        from_values(Demo, {"nu": 1}, owner="method demo", what="parameter")
+
+
+def test_argparse_options_and_help_come_from_the_declaration():
+    p = argparse.ArgumentParser(prog="demo")
+    add_arguments(p, Demo)
+    args = p.parse_args(["--rate", "0.2", "--names", "csv", "--on"])
+    assert (args.rate, args.names, args.on, args.count) == ("0.2", "csv", True, None)  # text, coerced later
+    text = p.format_help()
+    assert "{a,b,c}" in text and "default 0.1; > 0" in text and "default: the variant's" in text
+    assert ", ".join(DATASETS.names()) in " ".join(text.split()).replace("- ", "-")  # looked up when shown
+    assert "--chunk auto|off|N" in text
+    typed = argparse.ArgumentParser(prog="demo")
+    add_arguments(typed, Demo, ["count"], typed=True)
+    assert typed.parse_args(["--count", "7"]).count == 7
+    with pytest.raises(SystemExit):
+        typed.parse_args(["--count", "0"])
+
+
+def test_rows_describe_every_field_for_tables():
+    r = {x["name"]: x for x in rows(Demo, comments={"plain": "an old comment"})}
+    assert r["frac"]["allowed"] == "in [0, 1)" and r["frac"]["default"] == "0.5"
+    assert r["scale"]["default"] == "None: the variant's" and "< 0 also means None" in r["scale"]["allowed"]
+    assert r["count"]["allowed"] == f">= 1; at most 100 unless {ALLOW_LARGE}"
+    assert r["plain"]["help"] == "an old comment" and r["chunk"]["type"] == "str or int"
+
+
+# ------------------------------------------------------------------------------------------------ RunConfig
+def test_every_run_setting_is_declared_with_help():
+    for f in dataclasses.fields(RunConfig):
+        assert "decl" in f.metadata and f.metadata["decl"].help, f"{f.name} has no declaration"
+
+
+# every spelling of a run option that fedlt has had (fedlt 0.1's add_config_arguments): they all stay
+SPELLINGS = ["--config", "--preset", "--dataset", "--data-dir", "--imbalance-ratio", "--rho", "--image-size",
+             "--lt-profile", "--tail-classes", "--n-max", "--partition", "--partition-file", "--alpha",
+             "--shards-per-client", "--classes-per-client", "--balance", "--tau", "--min-client-size", "--clients",
+             "--method", "--method-file", "--set", "--model", "--rounds", "--participation", "--local-epochs",
+             "--batch-size", "--lr", "--lr-schedule", "--lr-milestones", "--lr-gamma", "--momentum",
+             "--weight-decay", "--seed", "--device", "--threads", "--precision", "--channels-last",
+             "--client-parallel", "--cuda-graphs", "--deterministic", "--data-placement", "--on-diverge",
+             "--diverge-factor", "--eval-every", "--split", "--out", "--name"]
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings}
+
+
+def _subparsers(parser: argparse.ArgumentParser, path=()):
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield (*path, name), sub
+                yield from _subparsers(sub, (*path, name))
+
+
+def test_every_command_that_takes_run_options_has_all_of_them():
+    from fedlt.cli import build_parser
+
+    declared = {"--" + n.replace("_", "-") for n, x in SETTINGS.items() if x.decl.cli} | {"--rho", "--set"}
+    takers = {path: sub for path, sub in _subparsers(build_parser()) if "--rounds" in _option_strings(sub)
+              and path[0] != "reproduce"}  # reproduce's --rounds shortens a paper's table
+    assert {p for p in takers} >= {("run",), ("compare",), ("flower", "app"), ("flower", "run"),
+                                   ("flower", "inprocess"), ("flower", "simulate")}
+    for path, sub in takers.items():
+        have = _option_strings(sub)
+        assert declared <= have and set(SPELLINGS) <= have, (path, sorted(set(SPELLINGS) - have))
+
+
+def test_soft_limits_are_passed_on_purpose_and_float32_overflow_is_refused():
+    with pytest.raises(ConfigError, match="rounds 2000000 is out of range .*--allow-large"):
+        load_config(overrides={"rounds": 2_000_000})
+    assert load_config(overrides={"rounds": 2_000_000, "allow_large": True}).rounds == 2_000_000
+    with pytest.raises(ConfigError, match="lr 1e\\+39 is out of range"):
+        load_config(overrides={"lr": "1e39"})
+    with pytest.raises(ConfigError, match="did you mean 100"):
+        load_config(overrides={"imbalance_ratio": 0.01})
+
+
+def test_a_run_directory_from_before_a_setting_existed_still_resumes():
+    """A saved config without a newer setting compares as that setting's default (and --allow-large, which
+    changes no number, is never compared)."""
+    from fedlt.experiments.runstate import NOT_COMPARED, config_differences
+
+    current = json.loads(json.dumps(RunConfig().to_dict()))
+    saved = {k: v for k, v in current.items() if k not in ("allow_large", "lr_gamma")}
+    assert config_differences(saved, current) == []
+    assert config_differences({**saved, "lr_gamma": 0.5}, current) == ["lr_gamma: 0.5 -> 0.1"]
+    assert "allow_large" in NOT_COMPARED and "rounds" not in NOT_COMPARED
