@@ -27,9 +27,14 @@ FedAvg head on the same features. No personalized model.
 
 Communication beyond FedAvg: up, |C_k| x (C d + C) floats plus |C_k| class ids; down, C d + C floats (H).
 
-Paper/official code (official repository shangxinyi/CReFF-FL) vs. here:
-- Differentiable Siamese Augmentation (DSA) on the real batches is not implemented; the real batches get the
-  dataset's own training augmentation (none for Fashion-MNIST, crop+flip for CIFAR).
+Paper/official code (official repository shangxinyi/CReFF-FL, ``main.py`` and ``Dataset/param_aug.py`` read at
+fbec98f) vs. here:
+- Real batches. Paper (default, ``dsa=false``): the real-feature gradients of the clients' data; the batches get
+  the dataset's own training augmentation (none for Fashion-MNIST, crop+flip for CIFAR). Official ``main.py``
+  (``--method DSA``, its default; ``dsa=true``): each per-class batch is taken without the training transform and
+  passed through Differentiable Siamese Augmentation (``fedlt.core.dsa``: one of color / crop / cutout / flip /
+  scale / rotate per batch, one draw shared by the batch) before its gradient. The paper's text could not be read
+  here; DSA is the official code's, so it is the option.
 - Local training uses the run's optimiser (the protocol's SGD lr 0.05, momentum 0.9, 2 epochs); the
   official code uses SGD lr 0.1 without momentum, 10 epochs, batch 32 (set them with --lr 0.1 --momentum 0
   --local-epochs 10).
@@ -50,6 +55,7 @@ from torch import nn
 from ..core import (Message, Method, Predictor, ce_loss, derive_seed, load_weights, train_local, weighted_average,
                     weights_of)
 from ..core.classgrad import head_ce_grads, mean_class_grads, pack_class_grads
+from ..core.dsa import siamese_augment
 from ..core.retrain import retrain_head
 from ..errors import ConfigError
 from ..registry import METHODS
@@ -101,6 +107,7 @@ class CReFF(Method):
         crt_batch_size: int = 32
         batch_real: int = 32  # real samples per class per repeat for the uploaded gradients
         real_repeats: int = 10
+        dsa: bool = False  # official main.py: Differentiable Siamese Augmentation of every real per-class batch
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
@@ -156,7 +163,12 @@ class CReFF(Method):
         for c in held:
             pool = torch.from_numpy((data.y.numpy() == c).nonzero()[0])
             idx += [pool[torch.randperm(len(pool), generator=gen, device="cpu")[:p.batch_real]] for _ in range(p.real_repeats)]
-        x, y = data.sample_batch(torch.cat(idx), gen, train=True)
+        if p.dsa:  # official: each batch of one class without the training transform, then one DSA draw for it
+            batches = [data.sample_batch(i, gen, train=False) for i in idx]
+            x = torch.cat([siamese_augment(xb, gen) for xb, _ in batches])
+            y = torch.cat([yb for _, yb in batches])
+        else:
+            x, y = data.sample_batch(torch.cat(idx), gen, train=True)
         net.eval()
         with torch.no_grad():
             h = torch.cat([net.backbone(x[s:s + 1000]) for s in range(0, len(y), 1000)])
