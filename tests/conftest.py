@@ -97,6 +97,28 @@ def informative_clip_files() -> dict:
     return dict(_TINY_CLIP["informative"])
 
 
+def tiny_vit_file() -> str:
+    """A small random ViT in timm's layout (width 32, 2 blocks, patch 4, 8x8 input: the digits' size), written once
+    per process as a safetensors file: the ``vit_weights`` FedGPA needs (the real ViT-B/16 cannot be fetched
+    here)."""
+    if "vit" not in _TINY_CLIP:
+        import tempfile
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        from fedlt.core.vit import ViTTower
+
+        d = Path(tempfile.mkdtemp(prefix="fedlt-tiny-vit-"))
+        g = torch.Generator().manual_seed(0)
+        sd = {k: torch.randn(v.shape, generator=g) * 0.2 for k, v in ViTTower(8, 4, 32, 2, 1).state_dict().items()}
+        sd.update({k: torch.ones_like(v) for k, v in sd.items() if "norm" in k and k.endswith("weight")})
+        sd["head.weight"] = torch.zeros(1000, 32)  # the pre-trained classifier, to be ignored
+        save_file(sd, str(d / "vit.safetensors"))
+        _TINY_CLIP["vit"] = str(d / "vit.safetensors")
+    return _TINY_CLIP["vit"]
+
+
 _LIGHT = {"ccvr": {"per_class": 200}, "fedic": {"steps": 10}, "rucr": {"crt_epochs": 5},
           "clip2fl": {"match_epochs": 5, "crt_epochs": 10}}
 
@@ -105,4 +127,5 @@ def method_test_params(method: str) -> dict:
     """Parameters for a method in the tests that run every registered method: the files it reads (CLIP2FL), and
     lighter settings where the defaults take many seconds on the tiny federation (those tests check the protocol
     -- resume, Flower -- not the setting)."""
-    return {**(tiny_clip_files() if method == "clip2fl" else {}), **_LIGHT.get(method, {})}
+    files = tiny_clip_files() if method == "clip2fl" else {"vit_weights": tiny_vit_file()} if method == "fedgpa" else {}
+    return {**files, **_LIGHT.get(method, {})}

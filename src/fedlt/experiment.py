@@ -49,7 +49,8 @@ def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
                    lr_gamma=cfg.lr_gamma,
                    data=dict(dataset=cfg.dataset, data_dir=cfg.data_dir, imbalance_ratio=cfg.imbalance_ratio,
                              lt_profile=lt_profile_of(cfg, fed), tail_classes=cfg.tail_classes, n_max=cfg.n_max,
-                             seed=cfg.seed, dataset_kw=cfg.dataset_kw()))
+                             seed=cfg.seed, dataset_kw=cfg.dataset_kw(), input_mean=list(fed.prep.mean),
+                             input_std=list(fed.prep.std)))
 
 
 def lt_profile_of(cfg: RunConfig, fed: Federation) -> str:

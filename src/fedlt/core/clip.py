@@ -133,8 +133,15 @@ def load_text_embeddings(path: str, num_classes: int, device="cpu") -> torch.Ten
 
 
 def clip_input(x: torch.Tensor, mean, std, resolution: int) -> torch.Tensor:
-    """A batch normalised with the dataset's ``mean``/``std`` -> CLIP's input: back to [0, 1], grey to RGB,
-    bicubic resize to ``resolution``, CLIP normalisation."""
+    """A batch normalised with the dataset's ``mean``/``std`` -> CLIP's input (:func:`tower_input` with CLIP's
+    normalisation)."""
+    return tower_input(x, mean, std, resolution, CLIP_MEAN, CLIP_STD)
+
+
+def tower_input(x: torch.Tensor, mean, std, resolution: int, out_mean, out_std) -> torch.Tensor:
+    """A batch normalised with the dataset's ``mean``/``std`` -> a pre-trained image tower's input: back to
+    [0, 1], grey to RGB, bicubic resize to ``resolution``, then normalised
+    with the tower's ``out_mean``/``out_std``."""
     dev = x.device
     m = torch.tensor(mean, dtype=x.dtype, device=dev).view(1, -1, 1, 1)
     s = torch.tensor(std, dtype=x.dtype, device=dev).view(1, -1, 1, 1)
@@ -142,6 +149,6 @@ def clip_input(x: torch.Tensor, mean, std, resolution: int) -> torch.Tensor:
     if img.shape[1] == 1:
         img = img.expand(-1, 3, -1, -1)
     img = F.interpolate(img, size=(resolution, resolution), mode="bicubic", align_corners=False)
-    cm = torch.tensor(CLIP_MEAN, dtype=x.dtype, device=dev).view(1, 3, 1, 1)
-    cs = torch.tensor(CLIP_STD, dtype=x.dtype, device=dev).view(1, 3, 1, 1)
+    cm = torch.tensor(out_mean, dtype=x.dtype, device=dev).view(1, 3, 1, 1)
+    cs = torch.tensor(out_std, dtype=x.dtype, device=dev).view(1, 3, 1, 1)
     return (img - cm) / cs

@@ -41,7 +41,8 @@ class RunSpec:
     lr_gamma: float = 0.1
     # The data settings (dataset, data_dir, imbalance_ratio, lt_profile, tail_classes, n_max, seed), plain
     # values like the rest: a server that holds data of its own (Ratio Loss's auxiliary balanced set) can
-    # rebuild which training samples the clients hold, and draw its own from the others. Empty: unknown.
+    # rebuild which training samples the clients hold, and draw its own from the others; and input_mean /
+    # input_std, the normalisation of the model's input (a pre-trained image tower undoes it). Empty: unknown.
     data: dict[str, Any] = field(default_factory=dict)
 
     def lr_at(self, rnd: int) -> float:

@@ -1,0 +1,116 @@
+"""A frozen vision transformer in timm's layout (``vit_base_patch16_224`` and its relatives), loaded from a
+safetensors file the user supplies, with learnable visual prompts (VPT, Jia et al., ECCV 2022): FedGPA's model.
+
+Nothing here runs code from a file: the weights are read with ``safetensors`` (raw tensors and a JSON header)
+and the architecture is inferred from their shapes, so any plain ViT in timm's layout loads:
+``patch_embed.proj.weight`` [width, 3, patch, patch] (and ``.bias``), ``cls_token`` [1, 1, width], ``pos_embed``
+[1, grid^2 + 1, width], ``blocks.{i}.{norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2}``, ``norm``; every
+other key (the pre-trained ``head``) is ignored. Heads = width // 64 (ViT-B/16: 12), at least 1; GELU, LayerNorm
+eps 1e-6, as timm's ViT.
+
+Getting the file (on a machine with ``timm`` and internet access)::
+
+    import timm
+    from safetensors.torch import save_file
+    m = timm.create_model("vit_base_patch16_224", pretrained=True)
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, "vit_b16.safetensors")
+
+The tower's parameters are frozen and kept outside the module tree of :class:`PromptedViT` (a shared, read-only
+object): a model's state dict -- what is sent, averaged and checkpointed -- holds the prompts only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from .clip import read_safetensors, tower_input
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block in timm's layout (``norm1``, ``attn.qkv``, ``attn.proj``, ``norm2``,
+    ``mlp.fc1``, ``mlp.fc2``)."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width, eps=1e-6)
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Linear(width, 3 * width)
+        self.attn.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width, eps=1e-6)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Linear(width, 4 * width)
+        self.mlp.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, L, width]
+        B, L, D = x.shape
+        q, k, v = self.attn.qkv(self.norm1(x)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, D)
+        x = x + self.attn.proj(a)
+        return x + self.mlp.fc2(F.gelu(self.mlp.fc1(self.norm2(x))))
+
+
+class ViTTower(nn.Module):
+    """The frozen ViT: patch embedding, class token, position embedding, blocks, final norm."""
+
+    def __init__(self, resolution: int, patch: int, width: int, depth: int, heads: int):
+        super().__init__()
+        self.resolution, self.width, self.depth = resolution, width, depth
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(3, width, patch, stride=patch)
+        grid = resolution // patch
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.pos_embed = nn.Parameter(torch.zeros(1, grid * grid + 1, width))
+        self.blocks = nn.ModuleList([Block(width, heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width, eps=1e-6)
+
+    def forward(self, x: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """The class token's final representation [B, width] of images ``x`` [B, 3, R, R] (ViT-normalised). With
+        deep ``prompts`` [depth, P, width]: before block i its P prompt tokens are appended, after it removed."""
+        x = self.patch_embed.proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        n = x.shape[1]
+        for i, block in enumerate(self.blocks):
+            if prompts is not None:
+                x = torch.cat([x, prompts[i].expand(x.shape[0], -1, -1)], dim=1)
+            x = block(x)[:, :n]
+        return self.norm(x)[:, 0]
+
+
+def load_vit(path: str, device="cpu") -> ViTTower:
+    """A :class:`ViTTower` with the architecture and weights of the safetensors file (frozen, eval mode)."""
+    sd = read_safetensors(path, "ViT weights")
+    need = ("patch_embed.proj.weight", "cls_token", "pos_embed", "norm.weight")
+    missing = [k for k in need if k not in sd]
+    if missing:
+        raise ConfigError(f"ViT weights: {path} lacks {', '.join(missing)} (expected timm's ViT layout)")
+    width, _, patch, _ = sd["patch_embed.proj.weight"].shape
+    grid = round((sd["pos_embed"].shape[1] - 1) ** 0.5)
+    depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
+    tower = ViTTower(grid * patch, patch, width, depth, max(width // 64, 1))
+    try:
+        tower.load_state_dict({k: v.float() for k, v in sd.items() if k in tower.state_dict()}, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"ViT weights: {path} does not fit a ViT of width {width}, {depth} blocks "
+                          f"({str(e).splitlines()[0]})") from None
+    return tower.to(device).eval().requires_grad_(False)
+
+
+class PromptedViT(nn.Module):
+    """The backbone of a prompt-tuned frozen ViT: its only parameter is ``prompts`` [depth, P, width] (zeros at
+    first, as the official VPT code); ``feature_dim`` is the tower's width. Input: a batch normalised with the
+    dataset's ``mean``/``std``, made the tower's (back to [0, 1], grey to RGB, bicubic to its resolution, then
+    ``vit_mean``/``vit_std``)."""
+
+    def __init__(self, tower: ViTTower, tokens: int, mean, std, vit_mean, vit_std):
+        super().__init__()
+        object.__setattr__(self, "tower", tower)  # shared and frozen: not a sub-module, not in the state dict
+        self.prompts = nn.Parameter(torch.zeros(tower.depth, tokens, tower.width, device=tower.cls_token.device))
+        self.feature_dim = tower.width
+        self.norms = (tuple(mean), tuple(std), tuple(vit_mean), tuple(vit_std))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean, std, vit_mean, vit_std = self.norms
+        return self.tower(tower_input(x, mean, std, self.tower.resolution, vit_mean, vit_std), self.prompts)
