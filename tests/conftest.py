@@ -119,7 +119,8 @@ def tiny_vit_file() -> str:
     return _TINY_CLIP["vit"]
 
 
-_LIGHT = {"ccvr": {"per_class": 200}, "fedic": {"steps": 10}, "rucr": {"crt_epochs": 5},
+_LIGHT = {"ccvr": {"per_class": 200}, "fedic": {"steps": 10}, "rucr": {"crt_epochs": 5}, "fedcrac": {"crt_epochs": 5},
+          "dfl-fs": {"per_class": 100, "epochs": 5}, "fedgpa": {"tokens": 1},
           "clip2fl": {"match_epochs": 5, "crt_epochs": 10}}
 
 

@@ -25,7 +25,7 @@ from fedlt.registry import METHODS  # noqa: E402
 QUIET = dict(echo=lambda s: None)
 # the same code paths, seconds less: a shorter SSE-C construction, fewer personalisation / re-training steps
 FAST = {"fedloge": {"sse_steps": 200}, "fedetf": {"pers_rounds": 2}, "creff": {"match_epochs": 5, "crt_epochs": 10},
-        **{m: method_test_params(m) for m in ("ccvr", "fedic", "rucr", "clip2fl")}}
+        **{m: method_test_params(m) for m in ("ccvr", "fedic", "rucr", "clip2fl", "fedgpa", "fedcrac", "dfl-fs")}}
 
 
 def _fed(cfg):

@@ -115,11 +115,16 @@ def load_image_tower(path: str, device="cpu") -> ImageTower:
     grid = round((sd["positional_embedding"].shape[0] - 1) ** 0.5)
     layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
     tower = ImageTower(grid * patch, patch, width, layers, max(width // 64, 1), sd["proj"].shape[1], device)
+    return frozen_tower(tower, sd, f"CLIP image tower: {path} does not fit a ViT of width {width}, {layers} layers")
+
+
+def frozen_tower(tower: nn.Module, sd: dict[str, torch.Tensor], misfit: str) -> nn.Module:
+    """``tower`` loaded strictly with the entries of ``sd`` it has (as float32), frozen, in eval mode; a file that
+    does not fit is one line, ``misfit`` and the first line of PyTorch's complaint."""
     try:
         tower.load_state_dict({k: v.float() for k, v in sd.items() if k in tower.state_dict()}, strict=True)
     except RuntimeError as e:
-        raise ConfigError(f"CLIP image tower: {path} does not fit a ViT of width {width}, {layers} layers "
-                          f"({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{misfit} ({str(e).splitlines()[0]})") from None
     return tower.eval().requires_grad_(False)
 
 

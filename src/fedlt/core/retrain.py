@@ -4,7 +4,8 @@ mixed-up features), and the methods that read a client's features (RedGrape, Bal
 
 - :func:`local_features`: a client's training features (eval mode, no augmentation) with their labels;
 - :func:`class_statistics`, :func:`pooled_gaussian`, :func:`sample_gaussian`: per-class feature Gaussians, their
-  exact pooling over clients (CCVR's Eq. 3-4) and draws from them;
+  exact pooling over clients (CCVR's Eq. 3-4) and draws from them; :func:`class_gaussians` and
+  :func:`draw_class_features`: the same as a client's message and the server's draws from the messages;
 - :func:`retrain_head`: mini-batch SGD on a linear head with cross-entropy, the gradient written out;
 - :func:`retrained_head_modes`: the inference modes of a model whose head the server re-trained.
 """
@@ -58,6 +59,38 @@ def sample_gaussian(mu: torch.Tensor, cov: torch.Tensor, n: int, gen: torch.Gene
     lam, Q = torch.linalg.eigh((cov + cov.T) / 2)
     eps = torch.randn(n, mu.shape[0], generator=gen, dtype=mu.dtype, device="cpu").to(mu.device)
     return mu + (eps * lam.clamp_min(0).sqrt()) @ Q.T
+
+
+def class_gaussians(backbone: nn.Module, data, prefix: str, biased: bool = False, batch_size: int = 1000
+                    ) -> dict[str, torch.Tensor]:
+    """A client's message of per-class feature Gaussians (CCVR's upload, DFL-FS's stage 2): for every class it
+    holds, the count, mean and covariance of its features under ``backbone`` (:func:`local_features`), as arrays
+    ``{prefix}.classes``, ``.count``, ``.mean``, ``.cov`` -- never a sample."""
+    with torch.no_grad():
+        f, y = local_features(backbone, data, batch_size)
+    held = data.classes.tolist()
+    n, mu, cov = class_statistics(f, y, held, biased)
+    return {f"{prefix}.classes": torch.as_tensor(held, dtype=torch.long, device=f.device),
+            f"{prefix}.count": n.float(), f"{prefix}.mean": mu.float(), f"{prefix}.cov": cov.float()}
+
+
+def draw_class_features(messages, prefix: str, per_class: int, gen: torch.Generator, device,
+                        pool=pooled_gaussian) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Virtual features from the clients' :func:`class_gaussians`: per class (in class order) the clients'
+    statistics pooled by ``pool`` (default the exact pooling, CCVR's Eq. 3-4) and ``per_class`` draws from the
+    Gaussian (:func:`sample_gaussian` with ``gen``). (features [n, d], labels [n]); None when nobody sent any."""
+    per: dict[int, list] = {}
+    for m in messages:
+        a = m.arrays
+        for i, c in enumerate(a[f"{prefix}.classes"].tolist()):
+            per.setdefault(c, []).append((a[f"{prefix}.count"][i], a[f"{prefix}.mean"][i], a[f"{prefix}.cov"][i]))
+    feats, labels = [], []
+    for c in sorted(per):
+        counts = torch.stack([t[0] for t in per[c]]).double()
+        mu, cov = pool(counts, torch.stack([t[1] for t in per[c]]).double(), torch.stack([t[2] for t in per[c]]).double())
+        feats.append(sample_gaussian(mu, cov, per_class, gen).float())
+        labels.append(torch.full((per_class,), c, dtype=torch.long, device=device))
+    return (torch.cat(feats).to(device), torch.cat(labels)) if feats else None
 
 
 def retrained_head_modes(model, head: dict | None, name: str) -> dict[str, Predictor]:

@@ -95,17 +95,18 @@ def ce_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def train_local(model: nn.Module, data, spec: RunSpec, gen: torch.Generator, loss_fn: LossFn = ce_loss,
                 epochs: int | None = None, optimizer: torch.optim.Optimizer | None = None,
                 params: Iterable[torch.nn.Parameter] | None = None, after_step: Callable[[], None] | None = None,
-                parts: bool = False, lr: float | None = None) -> dict:
+                parts: bool = False, lr: float | None = None, epoch_start: Callable[[], None] | None = None) -> dict:
     """Run ``epochs`` local epochs of mini-batch SGD on ``loss_fn(model, x, y)``, in the run's precision, at
     ``lr``: the round's, as the client's message carried it (``payload.lr``; None: the run's ``spec.lr``), for
     the optimiser made here (an ``optimizer`` given has its own). Returns the mean loss and the number of steps.
     With ``parts``, ``loss_fn`` may return ``(loss, {name: part})`` and the result is ``{"means": [loss,
-    *parts], "steps": n}``. Nothing is read from the device before the last step."""
+    *parts], "steps": n}``; ``epoch_start`` is called before each epoch (state a loss keeps per epoch). Nothing
+    is read from the device before the last step."""
     model.train()
     opt = optimizer or make_optimizer(params if params is not None else model.parameters(), spec, lr=lr)
     scaler = grad_scaler(spec)
     meter = Meter()
-    for x, y in data.batches(spec.batch_size, gen, epochs=spec.local_epochs if epochs is None else epochs):
+    for x, y in _batches(data, spec.batch_size, gen, spec.local_epochs if epochs is None else epochs, epoch_start):
         opt.zero_grad(set_to_none=True)
         with autocast(spec):
             out = loss_fn(model, x, y)
@@ -124,3 +125,14 @@ def train_local(model: nn.Module, data, spec: RunSpec, gen: torch.Generator, los
         means = meter.mean()
         return {"means": means if isinstance(means, list) else [means], "steps": meter.steps}
     return {"loss": meter.mean(), "steps": meter.steps}
+
+
+def _batches(data, batch_size: int, gen: torch.Generator, epochs: int, epoch_start: Callable[[], None] | None):
+    """``data.batches`` over ``epochs`` passes, calling ``epoch_start`` before each (the same batches and draws
+    from ``gen`` as one call for all the passes)."""
+    if epoch_start is None:
+        yield from data.batches(batch_size, gen, epochs=epochs)
+        return
+    for _ in range(epochs):
+        epoch_start()
+        yield from data.batches(batch_size, gen, epochs=1)

@@ -25,24 +25,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .clip import read_safetensors, tower_input
+from .clip import frozen_tower, read_safetensors, tower_input
 
 
 class Block(nn.Module):
     """A pre-norm transformer block in timm's layout (``norm1``, ``attn.qkv``, ``attn.proj``, ``norm2``,
     ``mlp.fc1``, ``mlp.fc2``)."""
 
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, device="cpu"):
         super().__init__()
         self.heads = heads
-        self.norm1 = nn.LayerNorm(width, eps=1e-6)
+        self.norm1 = nn.LayerNorm(width, eps=1e-6, device=device)
         self.attn = nn.Module()
-        self.attn.qkv = nn.Linear(width, 3 * width)
-        self.attn.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width, eps=1e-6)
+        self.attn.qkv = nn.Linear(width, 3 * width, device=device)
+        self.attn.proj = nn.Linear(width, width, device=device)
+        self.norm2 = nn.LayerNorm(width, eps=1e-6, device=device)
         self.mlp = nn.Module()
-        self.mlp.fc1 = nn.Linear(width, 4 * width)
-        self.mlp.fc2 = nn.Linear(4 * width, width)
+        self.mlp.fc1 = nn.Linear(width, 4 * width, device=device)
+        self.mlp.fc2 = nn.Linear(4 * width, width, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, L, width]
         B, L, D = x.shape
@@ -55,16 +55,16 @@ class Block(nn.Module):
 class ViTTower(nn.Module):
     """The frozen ViT: patch embedding, class token, position embedding, blocks, final norm."""
 
-    def __init__(self, resolution: int, patch: int, width: int, depth: int, heads: int):
+    def __init__(self, resolution: int, patch: int, width: int, depth: int, heads: int, device="cpu"):
         super().__init__()
         self.resolution, self.width, self.depth = resolution, width, depth
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv2d(3, width, patch, stride=patch)
+        self.patch_embed.proj = nn.Conv2d(3, width, patch, stride=patch, device=device)
         grid = resolution // patch
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
-        self.pos_embed = nn.Parameter(torch.zeros(1, grid * grid + 1, width))
-        self.blocks = nn.ModuleList([Block(width, heads) for _ in range(depth)])
-        self.norm = nn.LayerNorm(width, eps=1e-6)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, width, device=device))
+        self.pos_embed = nn.Parameter(torch.zeros(1, grid * grid + 1, width, device=device))
+        self.blocks = nn.ModuleList([Block(width, heads, device) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width, eps=1e-6, device=device)
 
     def forward(self, x: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
         """The class token's final representation [B, width] of images ``x`` [B, 3, R, R] (ViT-normalised). With
@@ -89,13 +89,8 @@ def load_vit(path: str, device="cpu") -> ViTTower:
     width, _, patch, _ = sd["patch_embed.proj.weight"].shape
     grid = round((sd["pos_embed"].shape[1] - 1) ** 0.5)
     depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
-    tower = ViTTower(grid * patch, patch, width, depth, max(width // 64, 1))
-    try:
-        tower.load_state_dict({k: v.float() for k, v in sd.items() if k in tower.state_dict()}, strict=True)
-    except RuntimeError as e:
-        raise ConfigError(f"ViT weights: {path} does not fit a ViT of width {width}, {depth} blocks "
-                          f"({str(e).splitlines()[0]})") from None
-    return tower.to(device).eval().requires_grad_(False)
+    tower = ViTTower(grid * patch, patch, width, depth, max(width // 64, 1), device)
+    return frozen_tower(tower, sd, f"ViT weights: {path} does not fit a ViT of width {width}, {depth} blocks")
 
 
 class PromptedViT(nn.Module):

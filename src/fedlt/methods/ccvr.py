@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import Message, derive_seed, load_weights
-from ..core.retrain import (class_statistics, local_features, pooled_gaussian, retrain_head,
-                            retrained_head_modes, sample_gaussian)
+from ..core.retrain import class_gaussians, draw_class_features, retrain_head, retrained_head_modes
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -72,31 +71,15 @@ class CCVR(FedAvg):
     def phase_client(self, phase, payload, cstate, data, gen):
         net = self.net
         load_weights(net, payload.arrays)
-        f, y = local_features(net.backbone, data, 1024)
-        held = data.classes.tolist()
-        n, mu, cov = class_statistics(f, y, held, self.p.biased_local_cov)
-        arrays = {"ccvr.classes": torch.as_tensor(held, dtype=torch.long, device=f.device),
-                  "ccvr.count": n.float(), "ccvr.mean": mu.float(), "ccvr.cov": cov.float()}
+        arrays = class_gaussians(net.backbone, data, "ccvr", self.p.biased_local_cov, 1024)
         return Message(arrays, {"num_examples": len(data)}), cstate
 
     def phase_aggregate(self, phase, state, replies):
-        per: dict[int, list] = {}
-        for _, r in replies:
-            a = r.arrays
-            for i, c in enumerate(a["ccvr.classes"].tolist()):
-                per.setdefault(c, []).append((a["ccvr.count"][i], a["ccvr.mean"][i], a["ccvr.cov"][i]))
-        dev = self.spec.device
         gen = torch.Generator(device="cpu").manual_seed(derive_seed(self.spec.seed, SAMPLE))
-        feats, labels = [], []
-        for c in sorted(per):
-            counts = torch.stack([t[0] for t in per[c]]).double()
-            mu, cov = pooled_gaussian(counts, torch.stack([t[1] for t in per[c]]).double(),
-                                      torch.stack([t[2] for t in per[c]]).double())
-            feats.append(sample_gaussian(mu, cov, self.p.per_class, gen).float())
-            labels.append(torch.full((self.p.per_class,), c, dtype=torch.long, device=dev))
+        drawn = draw_class_features([r for _, r in replies], "ccvr", self.p.per_class, gen, self.spec.device)
         W, b = state["weights"]["head.weight"], state["weights"]["head.bias"]
-        if feats:
-            W, b = self.retrain(torch.cat(feats).to(dev), torch.cat(labels), W, b)
+        if drawn is not None:
+            W, b = self.retrain(*drawn, W, b)
         state["calibrated"] = {"head.weight": W, "head.bias": b}
         return state
 

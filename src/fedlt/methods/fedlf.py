@@ -153,16 +153,14 @@ class FedLF(Method):
                 loss = loss + p.decorr_weight * parts["loss_decorr"]
             return loss, parts
 
-        opt = make_optimizer([q for n_, q in net.named_parameters() if n_ != "head.bias"], s)
-        names = ["loss", "loss_ce"] + (["loss_centre"] if G is not None else []) + \
-            (["loss_decorr"] if p.decorr_weight else [])
-        totals, steps = [0.0] * len(names), 0
-        for _ in range(s.local_epochs):  # the running class centres restart every epoch
+        def epoch_start():  # the running class centres restart every epoch
             sums.zero_()
             seen.zero_()
-            out = train_local(net, data, s, gen, loss_fn, epochs=1, optimizer=opt, parts=True)
-            totals = [t + m * out["steps"] for t, m in zip(totals, out["means"])]
-            steps += out["steps"]
-        stats = {"steps": steps, **{k: t / max(steps, 1) for k, t in zip(names, totals)}}
+
+        opt = make_optimizer([q for n_, q in net.named_parameters() if n_ != "head.bias"], s)
+        out = train_local(net, data, s, gen, loss_fn, optimizer=opt, parts=True, epoch_start=epoch_start)
+        names = ["loss", "loss_ce"] + (["loss_centre"] if G is not None else []) + \
+            (["loss_decorr"] if p.decorr_weight else [])
+        stats = {"steps": out["steps"], **dict(zip(names, out["means"]))}
         arrays = {**weights_of(net), "fedlf.centres": sums / seen.clamp_min(1)[:, None], "fedlf.held": counts > 0}
         return Message(arrays, {"num_examples": len(data), **stats}), cstate

@@ -1,0 +1,186 @@
+"""FedCRAC (Li et al., IEEE TMC 2024/25): "FedCRAC: Improving Federated Classification Performance on Long-Tailed
+Data via Classifier Representation Adjustment and Calibration" -- a Class Similarity-Aware Margin in the clients'
+softmax, and the aggregated classifier calibrated every round by self-distillation on pseudo representations.
+
+Model: the run's backbone f and a bias-free linear classifier W (rows w_c).
+Client k, round t, receiving w and the margin matrix M [C, C] (mu everywhere in round 1):
+  E local epochs of SGD on CE(s (W f(x) + M[y] (1 - e_y)), y)        Class Similarity-Aware Margin (s = 5):
+      every other class j gets M[y, j] added to its logit, so the classes most similar to y are pushed furthest
+  then, with the trained model, per class c with n_{k,c} >= 2 samples: the mean mu_{k,c} and the per-dimension
+  variance v_{k,c} of its features; reply w_k, n_k (class counts), mu_k, v_k.
+Server:
+  1. w <- FedAvg (n_k-weighted).
+  2. Global class statistics, weighted by the class counts: mu_c = sum_k n_{k,c} mu_{k,c} / sum_k n_{k,c}, v_c
+     likewise (over the clients that sent statistics of c; a class nobody sent keeps its last values).
+  3. M_{ij} = mu_margin * cos(mu_i, mu_j).
+  4. Self Distillation Classifier Calibration: N_c = sum_k n_{k,c} pseudo representations of class c drawn from
+     N(mu_c, diag v_c); the teacher is the aggregated W (frozen), the student starts from it; ``crt_epochs``
+     full-batch steps of SGD (lr ``crt_lr``, momentum 0.9, Nesterov) on
+        (1 - a) CE(o, y) + a T^2 KL(softmax(o_T / T) || softmax(o / T))      (a = 0.5, T = 0.5)
+     where o and o_T are the student's and the teacher's margin logits s (W h + M[y] (1 - e_y)).
+  5. The calibrated W replaces the aggregated one: it is the broadcast and the inference classifier.
+Inference: W f(x) (the margin is a training device). No personal model.
+Communication beyond FedAvg: up 2 C d + 2 C floats (statistics, counts and which classes have them), down C^2 (M).
+
+Paper vs. official code (xujli/fedcrac ``methods/fedcrac.py``, ``models/MarginLinear.py`` SoftmaxMargin,
+``config.py`` at e0c4684; some modules it imports are not in the repository, so it was read, not run)
+=========================  ===========================================  ==========================================
+                           here (default)                               official code
+=========================  ===========================================  ==========================================
+KL term of the calibration the batch mean of the KL divergence           ``F.kl_div`` with its default reduction,
+                           (``kd_reduction=batchmean``)                 the mean over batch x classes (C times
+                                                                        smaller; ``kd_reduction=mean``)
+FedAvg weights             n_k                                          batches x batch size
+statistics of a class      classes with >= 2 samples; others not sent   the client object's arrays, shared by the
+                                                                        clients a process trains in turn: a class
+                                                                        with < 2 samples sends whatever an earlier
+                                                                        client left there
+=========================  ===========================================  ==========================================
+The paper's full text could not be read here (its abstract: a Class Similarity-Aware Margin matrix "to enlarge
+class representation discrepancy" and a Self Distillation Classifier Calibration "with the assistance of
+generated pseudo representation samples"); the values (mu 1, s 5, a 0.5, T 0.5, 300 calibration steps at the
+run's lr, momentum 0.9 Nesterov) are the official code's. The official logits subtract each row's minimum before
+the margin; CE does not change under that shift (value and gradient), so it is left out. The official local
+optimiser is SGD lr 0.01 without momentum, batch 50, 3 local epochs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import LocalSteps, Message, Method, derive_seed, load_weights, weighted_average
+from ..core.personal import personal_net
+from ..core.retrain import local_features
+from ..errors import ConfigError
+from ..registry import METHODS
+
+PSEUDO = 0xC4AC  # seed purpose: the pseudo representations of a round
+REDUCTIONS = ("batchmean", "mean")
+
+
+def margin_logits(h: torch.Tensor, weight: torch.Tensor, margin: torch.Tensor, y: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """s (W h + M[y] (1 - e_y)): every class but the label gets the margin M[y, j] added."""
+    z = h @ weight.T
+    others = torch.ones_like(z).scatter(1, y[:, None], 0.0)  # 1 - e_y (F.one_hot cannot run under vmap)
+    return scale * (z + margin[y] * others)
+
+
+def similarity_margin(means: torch.Tensor, mu: float) -> torch.Tensor:
+    """M = mu * cos(mu_i, mu_j) for class means [C, d]."""
+    return mu * F.cosine_similarity(means[:, None, :], means[None, :, :], dim=2)
+
+
+def calibrate(weight: torch.Tensor, margin: torch.Tensor, feats: torch.Tensor, labels: torch.Tensor, steps: int,
+              lr: float, scale: float, alpha: float = 0.5, T: float = 0.5, reduction: str = "batchmean"
+              ) -> torch.Tensor:
+    """Self-distillation calibration: the classifier ``weight`` [C, d] trained for ``steps`` full-batch steps
+    (SGD, momentum 0.9, Nesterov) on (1 - alpha) CE + alpha T^2 KL towards the frozen ``weight`` itself, both on
+    margin logits of the pseudo representations."""
+    W = weight.detach().clone().requires_grad_(True)
+    opt = torch.optim.SGD([W], lr=lr, momentum=0.9, nesterov=True)
+    with torch.no_grad():
+        teacher = F.softmax(margin_logits(feats, weight, margin, labels, scale) / T, 1)
+    for _ in range(steps):
+        out = margin_logits(feats, W, margin, labels, scale)
+        kd = F.kl_div(F.log_softmax(out / T, 1), teacher, reduction=reduction)
+        loss = alpha * T * T * kd + (1 - alpha) * F.cross_entropy(out, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return W.detach()
+
+
+@METHODS.register("fedcrac")
+class FedCRAC(Method):
+    name = "fedcrac"
+
+    @dataclass
+    class Params:
+        mu: float = 1.0  # scale of the class-similarity margin matrix (official --mu)
+        scale: float = 5.0  # s, the logit scale of the margin softmax (official SoftmaxMargin scale_factor)
+        crt_epochs: int = 300  # calibration steps per round (official --crt_epoch; full batch)
+        crt_lr: float | None = None  # calibration lr; None: the run's lr (official: --lr)
+        kd_alpha: float = 0.5  # weight of the self-distillation term
+        kd_T: float = 0.5  # its temperature
+        kd_reduction: str = "batchmean"  # batchmean | mean (official F.kl_div default: over batch x classes)
+
+    def __init__(self, spec, params=None):
+        super().__init__(spec, params)
+        if self.p.kd_reduction not in REDUCTIONS:
+            raise ConfigError(f"fedcrac.kd_reduction must be one of {', '.join(REDUCTIONS)}, "
+                              f"got {self.p.kd_reduction!r}")
+
+    def new_model(self):
+        m = super().new_model()
+        head = nn.Linear(m.feature_dim, m.num_classes, bias=False, device=self.spec.device)
+        with torch.no_grad():
+            head.weight.copy_(m.head.weight)
+        m.head = head
+        return m
+
+    # ------------------------------------------------------------------ server
+    def init_server(self):
+        C, d, dev = self.spec.num_classes, self.net.feature_dim, self.spec.device
+        return {**super().init_server(), "margin": torch.full((C, C), self.p.mu, device=dev),
+                "mean": torch.zeros(C, d, device=dev), "var": torch.zeros(C, d, device=dev)}
+
+    def configure(self, state, rnd, cid):
+        return Message({**state["weights"], "fedcrac.margin": state["margin"]})
+
+    def aggregate(self, state, rnd, replies):
+        p = self.p
+        keys = list(state["weights"])
+        state["weights"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
+        a = [r.arrays for _, r in replies]
+        n = torch.stack([x["fedcrac.count"] for x in a])  # [K, C]
+        w = n * torch.stack([x["fedcrac.stat"] for x in a]).to(n.dtype)  # weights of the clients' statistics
+        total = w.sum(0)
+        has = total > 0
+        for key in ("mean", "var"):
+            s = (w[..., None] * torch.stack([x[f"fedcrac.{key}"] for x in a])).sum(0) / total.clamp_min(1)[:, None]
+            state[key] = torch.where(has[:, None], s, state[key])
+        state["margin"] = similarity_margin(state["mean"], p.mu)
+        counts = n.sum(0).round().long().tolist()
+        gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, PSEUDO, rnd))
+        feats, labels = [], []
+        for c, k in enumerate(counts):
+            if k > 0:
+                eps = torch.randn(k, state["mean"].shape[1], generator=gen, device="cpu").to(self.spec.device)
+                feats.append(state["mean"][c] + eps * state["var"][c].clamp_min(0).sqrt())
+                labels.append(torch.full((k,), c, dtype=torch.long, device=self.spec.device))
+        if feats:
+            with torch.enable_grad():
+                state["weights"]["head.weight"] = calibrate(
+                    state["weights"]["head.weight"], state["margin"], torch.cat(feats), torch.cat(labels),
+                    p.crt_epochs, self.spec.lr if p.crt_lr is None else float(p.crt_lr), p.scale, p.kd_alpha, p.kd_T,
+                    p.kd_reduction)
+        return state
+
+    # ------------------------------------------------------------------ client
+    def local_steps(self, payload, cstate, data):
+        weights = {k: v for k, v in payload.arrays.items() if k != "fedcrac.margin"}
+        return LocalSteps(weights, self.step_loss, extra={"margin": payload.arrays["fedcrac.margin"]})
+
+    def step_loss(self, model, x, y, extra):
+        return F.cross_entropy(margin_logits(model.backbone(x), model.params["head.weight"], extra["margin"], y,
+                                             self.p.scale), y)
+
+    def local_reply(self, payload, cstate, data, out):
+        """The trained model, the class counts, and the per-class feature means and variances of the classes with
+        at least two samples (features of the trained model, eval mode, no augmentation)."""
+        net = personal_net(self)  # a client-side copy apart from the working model the executor uses
+        load_weights(net, out.weights)
+        with torch.no_grad():
+            h, y = local_features(net.backbone, data)
+        C, dev = self.spec.num_classes, self.spec.device
+        onehot = F.one_hot(y, C).to(h.dtype)  # [N, C]
+        n = onehot.sum(0)
+        mean = onehot.T @ h / n.clamp_min(1)[:, None]
+        var = onehot.T @ (h - mean[y]).pow(2) / (n - 1).clamp_min(1)[:, None]
+        arrays = {**out.weights, "fedcrac.count": torch.as_tensor(data.counts, dtype=torch.float32, device=dev),
+                  "fedcrac.mean": mean, "fedcrac.var": var, "fedcrac.stat": n >= 2}
+        return Message(arrays, {"num_examples": len(data), **out.stats}), cstate
