@@ -107,15 +107,20 @@ def load_image_tower(path: str, device="cpu") -> ImageTower:
     sd = read_safetensors(path, "CLIP image tower")
     if any(k.startswith("visual.") for k in sd):
         sd = {k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")}
-    need = ("conv1.weight", "class_embedding", "positional_embedding", "proj")
-    missing = [k for k in need if k not in sd]
-    if missing:
-        raise ConfigError(f"CLIP image tower: {path} lacks {', '.join(missing)} (expected OpenAI's ViT layout)")
+    require(sd, ("conv1.weight", "class_embedding", "positional_embedding", "proj"),
+            f"CLIP image tower: {path}", "OpenAI's ViT layout")
     width, _, patch, _ = sd["conv1.weight"].shape
     grid = round((sd["positional_embedding"].shape[0] - 1) ** 0.5)
     layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
     tower = ImageTower(grid * patch, patch, width, layers, max(width // 64, 1), sd["proj"].shape[1], device)
     return frozen_tower(tower, sd, f"CLIP image tower: {path} does not fit a ViT of width {width}, {layers} layers")
+
+
+def require(sd: dict[str, torch.Tensor], keys, what: str, layout: str) -> None:
+    """A one-line error naming the ``keys`` a weights file lacks."""
+    missing = [k for k in keys if k not in sd]
+    if missing:
+        raise ConfigError(f"{what} lacks {', '.join(missing)} (expected {layout})")
 
 
 def frozen_tower(tower: nn.Module, sd: dict[str, torch.Tensor], misfit: str) -> nn.Module:

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
-from .clip import frozen_tower, read_safetensors, tower_input
+from .clip import frozen_tower, read_safetensors, require, tower_input
 
 
 class Block(nn.Module):
@@ -82,10 +81,8 @@ class ViTTower(nn.Module):
 def load_vit(path: str, device="cpu") -> ViTTower:
     """A :class:`ViTTower` with the architecture and weights of the safetensors file (frozen, eval mode)."""
     sd = read_safetensors(path, "ViT weights")
-    need = ("patch_embed.proj.weight", "cls_token", "pos_embed", "norm.weight")
-    missing = [k for k in need if k not in sd]
-    if missing:
-        raise ConfigError(f"ViT weights: {path} lacks {', '.join(missing)} (expected timm's ViT layout)")
+    require(sd, ("patch_embed.proj.weight", "cls_token", "pos_embed", "norm.weight"), f"ViT weights: {path}",
+            "timm's ViT layout")
     width, _, patch, _ = sd["patch_embed.proj.weight"].shape
     grid = round((sd["pos_embed"].shape[1] - 1) ** 0.5)
     depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
