@@ -73,6 +73,16 @@ def decorrelation_loss(h: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return off.pow(2).sum() / (d * (d - 1)) / n
 
 
+def running_centres(sums: torch.Tensor, seen: torch.Tensor, h: torch.Tensor, y: torch.Tensor, detach: bool = False):
+    """The epoch's class centres after this batch: (S + the batch's per-class feature sums) / (m + its counts), 0
+    for classes not seen yet; returns (centres [C, d], new sums, new counts). The batch's features carry their
+    gradient into the centres unless ``detach`` (the official code)."""
+    onehot = F.one_hot(y, sums.shape[0]).to(h.dtype)
+    total = sums + onehot.T @ (h.detach() if detach else h)
+    n = seen + onehot.sum(0)
+    return total / n.clamp_min(1)[:, None], total.detach(), n
+
+
 def update_centres(G: torch.Tensor | None, centres: list[torch.Tensor], held: list[torch.Tensor],
                    init: str = "holders") -> torch.Tensor:
     """The server's class centres from the clients' ``centres`` [C, d] (``held``: [C] bools, the classes each
@@ -137,11 +147,8 @@ class FedLF(Method):
         def loss_fn(model, x, y):
             h = model.backbone(x)
             ce = F.cross_entropy(h @ model.head.weight.T * scale, y)
-            onehot = F.one_hot(y, C).to(h.dtype)
-            total = sums + onehot.T @ (h.detach() if p.centre_detach else h)
-            n = seen + onehot.sum(0)
-            centres = total / n.clamp_min(1)[:, None]
-            sums.copy_(total.detach())
+            centres, total, n = running_centres(sums, seen, h, y, p.centre_detach)
+            sums.copy_(total)
             seen.copy_(n)
             parts = {"loss_ce": ce}
             loss = ce
