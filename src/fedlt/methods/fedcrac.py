@@ -15,7 +15,7 @@ Server:
   3. M_{ij} = mu_margin * cos(mu_i, mu_j).
   4. Self Distillation Classifier Calibration: N_c = sum_k n_{k,c} pseudo representations of class c drawn from
      N(mu_c, diag v_c); the teacher is the aggregated W (frozen), the student starts from it; ``crt_epochs``
-     full-batch steps of SGD (lr ``crt_lr``, momentum 0.9, Nesterov) on
+     full-batch steps of SGD (lr ``crt_lr``, by default the round's local lr, momentum 0.9, Nesterov) on
         (1 - a) CE(o, y) + a T^2 KL(softmax(o_T / T) || softmax(o / T))      (a = 0.5, T = 0.5)
      where o and o_T are the student's and the teacher's margin logits s (W h + M[y] (1 - e_y)).
   5. The calibrated W replaces the aggregated one: it is the broadcast and the inference classifier.
@@ -103,7 +103,7 @@ class FedCRAC(Method):
         mu: float = 1.0  # scale of the class-similarity margin matrix (official --mu)
         scale: float = 5.0  # s, the logit scale of the margin softmax (official SoftmaxMargin scale_factor)
         crt_epochs: int = 300  # calibration steps per round (official --crt_epoch; full batch)
-        crt_lr: float | None = None  # calibration lr; None: the run's lr (official: --lr)
+        crt_lr: float | None = None  # calibration lr; None: the round's local lr (official: --lr)
         kd_alpha: float = 0.5  # weight of the self-distillation term
         kd_T: float = 0.5  # its temperature
         kd_reduction: str = "batchmean"  # batchmean | mean (official F.kl_div default: over batch x classes)
@@ -156,7 +156,7 @@ class FedCRAC(Method):
             with torch.enable_grad():
                 state["weights"]["head.weight"] = calibrate(
                     state["weights"]["head.weight"], state["margin"], torch.cat(feats), torch.cat(labels),
-                    p.crt_epochs, self.spec.lr if p.crt_lr is None else float(p.crt_lr), p.scale, p.kd_alpha, p.kd_T,
+                    p.crt_epochs, self.spec.lr_at(rnd) if p.crt_lr is None else float(p.crt_lr), p.scale, p.kd_alpha, p.kd_T,
                     p.kd_reduction)
         return state
 

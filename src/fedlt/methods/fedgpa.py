@@ -140,6 +140,6 @@ class FedGPA(Method):
         def loss_fn(model, x, y):
             return gpa_loss(model(x), y, stats, p.varphi, p.sigma, p.mu, p.double_weight)
 
-        out = train_local(net, data, self.spec, gen, loss_fn)
+        out = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
         cstate = {**cstate, **{f"gpa.{k}": v for k, v in stats.items()}}
         return Message(weights_of(net), {"num_examples": len(data), **out}), cstate

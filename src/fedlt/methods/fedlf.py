@@ -164,7 +164,7 @@ class FedLF(Method):
             sums.zero_()
             seen.zero_()
 
-        opt = make_optimizer([q for n_, q in net.named_parameters() if n_ != "head.bias"], s)
+        opt = make_optimizer([q for n_, q in net.named_parameters() if n_ != "head.bias"], s, lr=self.round_lr(payload))
         out = train_local(net, data, s, gen, loss_fn, optimizer=opt, parts=True, epoch_start=epoch_start)
         names = ["loss", "loss_ce"] + (["loss_centre"] if G is not None else []) + \
             (["loss_decorr"] if p.decorr_weight else [])
