@@ -17,7 +17,7 @@ import torch
 from fedlt import experiment
 from fedlt.core.api import Method
 from fedlt.engine import EngineConfig, Simulation
-from fedlt.engine.clientstate import ClientStates, parse_bytes, state_name
+from fedlt.engine.clientstate import ClientStates, state_name
 from fedlt.engine.driver import TRAIN, client_generator
 from fedlt.errors import ConfigError
 from fedlt.experiment import federation_for, prepare
@@ -108,12 +108,36 @@ def test_a_damaged_state_file_is_a_one_line_error_naming_the_client(tmp_path, da
     assert "client 7's state" in msg and "\n" not in msg
 
 
-def test_byte_sizes():
-    assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("1.5GiB") == int(1.5 * 2**30)
-    assert parse_bytes("0") == 0 and parse_bytes(512) == 512 and parse_bytes("64 mb") == 64 * 10**6
-    for bad in ("lots", "-1GB", "2XB"):
-        with pytest.raises(ConfigError, match="byte size"):
-            parse_bytes(bad)
+def test_the_settings_of_a_population_are_declared_and_checked():
+    """--client-state-memory reads byte sizes; --eval-clients is a fraction or a whole count of the clients;
+    --client-test-fraction is in [0, 1); a bad value is one line naming the setting."""
+    from fedlt.config import load_config
+
+    cfg = load_config(overrides={"client_state_memory": "1.5GiB", "eval_clients": "500", "clients": 1000,
+                                 "client_test_fraction": "0.25"})
+    assert (cfg.client_state_memory, cfg.eval_clients, cfg.client_test_fraction) == (int(1.5 * 2**30), 500, 0.25)
+    assert EngineConfig.of(cfg).client_state_memory == int(1.5 * 2**30)
+    assert load_config().client_state_memory == 2 * 10**9
+    for over, words in [({"client_state_memory": "lots"}, "client-state-memory: cannot read 'lots'"),
+                        ({"client_state_memory": "-1GB"}, "client-state-memory: cannot read"),
+                        ({"eval_clients": 0}, "eval-clients must be > 0"),
+                        ({"eval_clients": 2.5}, "eval-clients 2.5 is neither a fraction"),
+                        ({"eval_clients": 30, "clients": 10}, "eval-clients 30 clients exceeds the 10 clients"),
+                        ({"client_test_fraction": 1}, "client-test-fraction must be in [0, 1)"),
+                        ({"synthetic_per_class": 100}, "--synthetic-per-class applies to synthetic, not")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(overrides=over)
+        assert words in str(e.value) and "\n" not in str(e.value), (over, str(e.value))
+
+
+def test_a_resumed_run_may_change_its_memory_budget_but_not_its_evaluation_sample():
+    from fedlt.experiments.runstate import config_differences
+
+    base = small_config().to_dict()
+    assert config_differences(base, {**base, "client_state_memory": 10**6}) == []
+    assert config_differences(base, {**base, "eval_clients": 3.0}) == ["eval_clients: 1.0 -> 3.0"]
+    old = {k: v for k, v in base.items() if k not in ("eval_clients", "client_test_fraction")}  # an older run dir
+    assert config_differences(old, base) == []
 
 
 # ---------------------------------------------------------------------------------------------- in runs

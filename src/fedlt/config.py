@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from .core.spec import LR_SCHEDULES, scheduled_lr
-from .decl import check_values, coerce, settings_of, setting
+from .decl import byte_size, check_values, coerce, settings_of, setting
+from .engine.clientstate import DEFAULT_BUDGET
 from .errors import ConfigError
 from .papers import presets as paper_presets
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS
@@ -86,6 +87,14 @@ class RunConfig:
     min_client_size: int = setting(0, "redraw until every client has this many samples", low=0, high=INT32,
                                    group=DATA)
     clients: int = setting(20, "number of clients K", low=1, limit=10**6, group=DATA)
+    client_test_fraction: float = setting(0.0, "each client's test set: this fraction of its own samples (LEAF's "
+                                               "per-user split), for natural users or populations too large for "
+                                               "shares of the balanced test set (0: a share of the balanced test "
+                                               "set mirroring the client's training classes)",
+                                          low=0, high=1, high_open=True, metavar="F", group=DATA)
+    synthetic_per_class: int | None = setting(None, "training samples per class of the synthetic dataset",
+                                              low=1, limit=10**6,
+                                              group=DATA, none_means="600")
     # model and local training
     model: str | None = setting(None, "model", registry=MODELS, group=TRAIN, none_means="the dataset's default")
     rounds: int = setting(50, "communication rounds", low=1, limit=10**6, group=TRAIN)
@@ -128,10 +137,17 @@ class RunConfig:
     diverge_factor: float = setting(0.0, "also stop when the training loss exceeds F times the first round's (0: "
                                          "off; 100 suits cross-entropy)", low=0, metavar="F", group=TRAIN,
                                     result=False)
+    client_state_memory: int = setting(DEFAULT_BUDGET, "client states held in memory, the least recently used beyond "
+                                                      "it spilled to the run directory (a resumed run may change "
+                                                      "it)", parse=byte_size, unit="bytes", metavar="SIZE",
+                                       group=TRAIN, result=False)
     allow_large: bool = setting(False, "allow values past the limits (rounds, clients, local epochs, ...) that "
                                        "catch typos, on purpose", group=TRAIN, result=False)
     # evaluation and output
     eval_every: int = setting(5, "evaluate every N rounds", low=1, high=INT32, group=OUTPUT)
+    eval_clients: float = setting(1.0, "PM over every client (1), or over a fixed, seeded sample of them: a "
+                                       "fraction (< 1) or a count (> 1); the summary says 'PM over 500 of 100,000 "
+                                       "clients'", low=0, low_open=True, metavar="N|F", group=OUTPUT)
     split: str = setting("fedloge", "many/medium/few split", choices=("fedloge", "fixed"), group=OUTPUT)
     out: str = setting("runs", "folder for run directories", group=OUTPUT, result=False)
     name: str | None = setting(None, "run directory name", group=OUTPUT, result=False,
@@ -151,7 +167,8 @@ class RunConfig:
 
     def dataset_kw(self) -> dict:
         """Settings passed to the dataset's loader."""
-        return {"image_size": self.image_size} if self.image_size else {}
+        return {**({"image_size": self.image_size} if self.image_size else {}),
+                **({"n_per_class": self.synthetic_per_class} if self.synthetic_per_class else {})}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -262,12 +279,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"--balance applies to the dirichlet and pathological partitions, not {cfg.partition}")
     if cfg.image_size is not None and not getattr(loader, "image_size", False):
         raise ConfigError(f"--image-size applies to {having(DATASETS, 'image_size', ' and ')}, not {cfg.dataset}")
-    if cfg.participation > 1 and not float(cfg.participation).is_integer():
-        raise ConfigError(f"participation {cfg.participation:g} is neither a fraction of the clients (<= 1) nor a "
-                          f"whole number of them (> 1); use e.g. {min(cfg.participation / cfg.clients, 1):.2g} or "
-                          f"{round(cfg.participation)}")
-    if cfg.participation > 1 and cfg.participation > cfg.clients:
-        raise ConfigError(f"participation {cfg.participation:g} clients per round exceeds the {cfg.clients} clients")
+    if cfg.synthetic_per_class is not None and not getattr(loader, "per_class", False):
+        raise ConfigError(f"--synthetic-per-class applies to {having(DATASETS, 'per_class', ' and ')}, "
+                          f"not {cfg.dataset}")
+    fraction_or_count("participation", cfg.participation, cfg.clients, " per round")
+    fraction_or_count("eval-clients", cfg.eval_clients, cfg.clients)
     cp = cfg.client_parallel
     if cfg.cuda_graphs and not cfg.device.startswith("cuda"):
         raise ConfigError("--cuda-graphs needs --device cuda (graphs are captured on a GPU); drop it on a CPU")
@@ -286,6 +302,15 @@ def validate(cfg: RunConfig) -> None:
     if cfg.lr_schedule == "step" and not cfg.lr_milestones:
         raise ConfigError("--lr-schedule step needs --lr-milestones (e.g. 160,240)")
     check_device(cfg.device)
+
+
+def fraction_or_count(name: str, value: float, clients: int, what: str = "") -> None:
+    """A share of the clients: a fraction (<= 1) or a whole number of them (> 1), at most all of them."""
+    if value > 1 and not float(value).is_integer():
+        raise ConfigError(f"{name} {value:g} is neither a fraction of the clients (<= 1) nor a whole number of "
+                          f"them (> 1); use e.g. {min(value / clients, 1):.2g} or {round(value)}")
+    if value > clients:
+        raise ConfigError(f"{name} {value:g} clients{what} exceeds the {clients} clients")
 
 
 def having(registry, attr: str, last: str = ", ") -> str:

@@ -414,10 +414,20 @@ def type_text(s: Setting) -> str:
     return t + (" or None" if s.nullable else "")
 
 
+def size_text(n: int) -> str:
+    """A byte count the way :func:`byte_size` reads it, in the largest unit that divides it (2GB, 512MiB)."""
+    for unit in ("tb", "tib", "gb", "gib", "mb", "mib", "kb", "kib"):
+        if n and n % _SIZES[unit] == 0:
+            return f"{n // _SIZES[unit]}{unit.upper().replace('I', 'i')}"
+    return str(n)
+
+
 def default_text(s: Setting) -> str:
     v = s.default
     if v is dataclasses.MISSING:
         return "(required)"
+    if s.decl.parse is byte_size and isinstance(v, int):
+        return size_text(v)
     if v is None:
         return "None" + (f": {s.decl.none_means}" if s.decl.none_means else "")
     if isinstance(v, tuple):

@@ -63,7 +63,7 @@ def federation_for(cfg: RunConfig) -> Federation:
     return build_federation(cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes,
                             cfg.n_max, cfg.partition, cfg.clients, cfg.seed, cfg.device, cfg.partition_kw(),
                             cfg.dataset_kw(), placement_mode=cfg.data_placement, partition_file=cfg.partition_file,
-                            client_test_fraction=float(getattr(cfg, "client_test_fraction", 0.0) or 0.0))
+                            client_test_fraction=cfg.client_test_fraction)
 
 
 def set_determinism(on: bool) -> None:

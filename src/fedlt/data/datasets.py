@@ -212,6 +212,9 @@ def load_synthetic(data_dir: str | None = None, num_classes: int = 10, n_per_cla
                    num_classes=num_classes, default_model="mlp")
 
 
+load_synthetic.per_class = True  # --synthetic-per-class sets its n_per_class
+
+
 _CACHE: dict[tuple, Dataset] = {}
 
 

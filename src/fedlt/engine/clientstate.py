@@ -53,22 +53,6 @@ KIND = "client-state"
 OVERHEAD = 64  # bytes counted for a state beyond its arrays (a state of plain values costs memory too)
 KEEP_COMMITS = 3  # the newest checkpoint, the previous one, and the one before while the newest is written
 _FILE = re.compile(r"^c(\d+)\.r(\d+)\.safetensors$")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: Any, what: str = "client-state-memory") -> int:
-    """A byte size: a number of bytes, or a number with a unit (``2GB``, ``512MB``, ``1.5GiB``, ``0``)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        n = float(value)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{what} expects a byte size such as 2GB, 512MB or 1.5GiB, got {value!r}")
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not np.isfinite(n) or n < 0:
-        raise ConfigError(f"{what} must be a byte size >= 0, got {value!r}")
-    return int(n)
 
 
 def tree_bytes(tree: Any) -> int:

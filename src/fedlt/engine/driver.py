@@ -33,7 +33,7 @@ import torch
 from ..core.api import Message, Method, derive_seed
 from ..errors import ConfigError
 from ..metrics import headline
-from .clientstate import DEFAULT_BUDGET, parse_bytes
+from .clientstate import DEFAULT_BUDGET
 
 SAMPLING, TRAIN, PHASE, EVAL_SAMPLE = 10, 11, 12, 13
 TRAINING = "train"  # the ``kind`` of a training round's exchange; a phase's is its name
@@ -111,12 +111,13 @@ class EngineConfig:
     @classmethod
     def of(cls, cfg, progress: bool = True) -> "EngineConfig":
         """The engine's part of a run configuration (``fedlt.config.RunConfig``)."""
-        from ..config import lr_at
+        from ..config import SETTINGS, lr_at
+        from ..decl import coerce
 
         return cls(cfg.rounds, cfg.participation, cfg.eval_every, cfg.seed, cfg.split, progress,
                    str(cfg.client_parallel), lr=partial(lr_at, cfg), cuda_graphs=bool(cfg.cuda_graphs),
-                   client_state_memory=parse_bytes(getattr(cfg, "client_state_memory", DEFAULT_BUDGET)),
-                   eval_clients=float(getattr(cfg, "eval_clients", 1.0)))
+                   client_state_memory=coerce(SETTINGS["client_state_memory"], cfg.client_state_memory),
+                   eval_clients=float(cfg.eval_clients))
 
 
 Replies = list[tuple[int, Message]]  # (client id, reply), in client-id order

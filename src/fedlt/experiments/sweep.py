@@ -51,7 +51,8 @@ MANIFEST = "sweep.json"
 # the settings the federation depends on (cfg fields); runs agreeing on them share one Federation object
 DATA_FIELDS = ("dataset", "data_dir", "imbalance_ratio", "lt_profile", "tail_classes", "n_max", "partition",
                "alpha", "shards_per_client", "tau", "min_client_size", "clients", "seed", "device",
-               "data_placement", "image_size", "partition_file", "classes_per_client", "balance")
+               "data_placement", "image_size", "partition_file", "classes_per_client", "balance",
+               "client_test_fraction", "synthetic_per_class")
 
 
 @dataclass

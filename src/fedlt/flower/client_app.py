@@ -112,7 +112,7 @@ def _partition_client(job: Job, pid: int, device: str) -> ClientData:
         raise ConfigError(f"partition-id {pid} is outside the run's {cfg.clients} clients; use 0..{cfg.clients - 1}")
     key = json.dumps([cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes, cfg.n_max,
                       cfg.partition, cfg.partition_kw(), cfg.partition_file, cfg.dataset_kw(), cfg.clients, cfg.seed,
-                      device], sort_keys=True, default=str)
+                      cfg.client_test_fraction, device], sort_keys=True, default=str)
     if key not in _FEDS:
         _FEDS[key] = federation_for(RunConfig(**{**cfg.to_dict(), "device": device}))
     return _FEDS[key].clients[pid]
