@@ -146,7 +146,7 @@ QUICK = dict(rounds=3, eval_every=3, local_epochs=1, participation=0.5)
 
 
 def _sim(method: str, budget=None, **over) -> Simulation:
-    cfg = small_config(method=method, params=method_test_params(method), **{**QUICK, **over})
+    cfg = small_config(method=method, **{**QUICK, "params": method_test_params(method), **over})
     if "fed" not in _FED:
         _FED["fed"] = federation_for(cfg)
     pr = prepare(cfg, _FED["fed"])
@@ -202,17 +202,50 @@ def test_a_run_whose_states_are_spilled_and_read_back_ends_as_one_held_in_memory
 
 
 def test_only_the_clients_that_trained_have_a_state_and_pm_is_over_the_evaluation_sample():
-    sim = _sim("ditto", clients=6, participation=1 / 6, rounds=2, eval_every=2)
-    sim.cfg.eval_clients = 3
     from fedlt.engine.driver import eval_sample
 
-    sim.eval_clients = eval_sample(6, 3, sim.cfg.seed)
+    sim = _sim("ditto", clients=6, participation=1 / 6, rounds=2, eval_every=2, eval_clients=3)
+    assert sim.eval_clients == eval_sample(6, 3, sim.cfg.seed)
     ev = sim.run()
     trained = sorted({c for r in sim.schedule for c in r})
     assert sorted(sim.client_states) == trained and len(trained) <= 2
     assert ev["eval_clients"] == {"sampled": 3, "of": 6}
     assert len(ev["personal"]["personal"]["per_client"]) == 3 - ev["untested"]
     assert eval_sample(6, 6, 0) == list(range(6)) and len(set(eval_sample(1000, 0.05, 0))) == 50
+
+
+# ---------------------------------------------------------------------------------------------- phases
+PHASED = [name for name in METHODS.names() if _sim(name).method.phases]
+# phases in which each client personalises its own model (their aggregates take nothing from the replies)
+PERSONALISING = {"fedloge", "fedbabu", "feddr+", "dr", "fedetf"}
+LIGHTER = {"fedloge": {"finetune_epochs": 1}, "feddr+": {"ft_epochs": 1}, "dr": {"ft_epochs": 1}, "fedetf": {"pers_rounds": 2}}
+
+
+def test_the_methods_with_phases_are_found():
+    assert PERSONALISING | {"ccvr", "rucr"} <= set(PHASED)
+
+
+@pytest.mark.parametrize("method", PHASED)
+def test_post_training_phases_reach_the_clients_that_trained_and_the_evaluation_sample(method):
+    """With every client evaluated, a phase reaches every client, as it always did. With a sample, it reaches
+    the clients that trained and the sample, and only they get a state; a client outside both that is evaluated
+    later is brought through the phases then, and every client's numbers are those of the run whose phases
+    reached everyone (for phases whose aggregate takes nothing from the replies: a personalisation)."""
+    over = dict(participation=1 / 6, rounds=2, eval_every=2,
+                params={**method_test_params(method), **LIGHTER.get(method, {})})
+    everyone, sampled = _sim(method, **over), _sim(method, **over, eval_clients=2)
+    a, b = everyone.run(), sampled.run()
+    assert everyone.phased == set(range(6))
+    reached = {c for r in sampled.schedule for c in r} | set(sampled.eval_clients)
+    assert sampled.phased == reached and len(reached) < 6
+    assert set(sampled.client_states) <= reached
+    if method not in PERSONALISING:
+        return
+    assert a["global"] == b["global"]
+    late = sampled.evaluate("later", clients=range(6))  # the 6 - len(reached) others personalised on demand
+    assert sampled.phased == set(range(6))
+    assert late["personal"] == a["personal"] and late["global"] == a["global"]
+    assert late["eval_clients"] == {"sampled": 6, "of": 6}
 
 
 # ---------------------------------------------------------------------------------------------- kill -9

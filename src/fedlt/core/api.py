@@ -14,7 +14,8 @@ configure(state, rnd, cid) -> Message   ==>   local_train(payload, cstate, data,
                                               cstate); see fedlt.core.steps) -- at the round's lr, which the
                                               driver sends with every payload (Message.lr)
 aggregate(state, rnd, [(cid, Message)]) <==
-after the rounds, for each name in ``phases`` (one message to every client and back):
+after the rounds, for each name in ``phases`` (one message to each client the driver's phases reach -- every
+client, or at cross-device scale the ones that trained and the evaluation sample -- and back):
 phase_configure(name, state, cid)       ==>   phase_client(name, payload, cstate, data, gen)
 phase_aggregate(name, state, replies)   <==
 inference:

@@ -167,6 +167,10 @@ class Driver:
         self.missing: dict[str, list[int]] = {}  # "round 3" / "phase la-fr" / "eval 5" -> client ids
         self.echo: Callable[[str], None] = lambda line: None  # what a missing client prints
         self.said: set[str] = set()  # notes printed once per run (why PM is absent)
+        # the post-training phases run: (name, the server state their payloads were made from), and the clients
+        # they reached; a client evaluated later that they did not reach is brought through them then
+        self.phases_run: list[tuple[str, dict]] = []
+        self.phased: set[int] = set()
         self.after_round: list[Callable[["Driver"], None]] = []
         # called with each round's record after training and before its evaluation (a divergence check)
         self.after_train: list[Callable[["Driver", dict], None]] = []
@@ -241,22 +245,55 @@ class Driver:
         return {"round": rnd, "clients": cids, "train_loss": float(np.mean(losses)) if losses else None,
                 "lr": self.round_config(TRAINING, rnd)["lr"], **comm, "round_time": time.perf_counter() - t0}
 
+    def phase_clients(self) -> list[int]:
+        """The clients a post-training phase reaches: the ones that trained and the evaluation sample -- every
+        client when every client is evaluated (what a phase always reached), a few hundred of a population of
+        100,000 otherwise. A phase is part of training (CCVR's, RUCR's and SphereFed's statistics, FedLoGe's
+        GA-FR) or a client personalising its model for its own use (LA-FR, FedBABU's and FedDr+'s fine-tuning,
+        FedETF's personalisation); at cross-device scale the first is done by the clients that took part in
+        the run, and the second matters where a personal model is used: here, where it is evaluated. A client
+        outside both that is evaluated later is personalised then (:meth:`catch_up`)."""
+        if len(self.eval_clients) == self.num_clients:
+            return list(range(self.num_clients))
+        return sorted(set(self.eval_clients).union(*self.schedule[:self.round]))
+
     def run_phase(self, phase: str, index: int = 0) -> dict:
         m = self.method
         t0 = time.perf_counter()
-        replies, comm = self.exchange(phase, index, f"phase {phase}", list(range(self.num_clients)),
+        cids = self.phase_clients()
+        before = _containers_copied(self.state)  # phase_aggregate may add to the state it is given
+        replies, comm = self.exchange(phase, index, f"phase {phase}", cids,
                                       lambda c: m.phase_configure(phase, self.state, c))
         self.state = m.phase_aggregate(phase, self.state, replies)
-        return {"phase": phase, **comm, "time": time.perf_counter() - t0}
+        self.phases_run.append((phase, before))
+        self.phased.update(cids)
+        return {"phase": phase, "phase_clients": len(cids), **comm, "time": time.perf_counter() - t0}
 
-    def evaluate(self, tag: str = "final") -> dict:
+    def catch_up(self, cids: list[int]) -> None:
+        """Bring the clients of ``cids`` that the post-training phases did not reach through them now: each
+        phase's payload made from the server state that phase started from, with the (phase, client)
+        generator, so the client's state ends as it would have had the phase reached it (its reply changes
+        nothing: the phase has aggregated)."""
+        late = [c for c in cids if c not in self.phased]
+        if not late or not self.phases_run:
+            return
+        m = self.method
+        for index, (phase, state) in enumerate(self.phases_run):
+            self.exchange(phase, index, f"phase {phase}", late, lambda c: m.phase_configure(phase, state, c))
+        self.phased.update(late)
+
+    def evaluate(self, tag: str = "final", clients: list[int] | None = None) -> dict:
+        """GM, and PM over the evaluation sample (or ``clients``: any clients, brought through the
+        post-training phases first where those did not reach them)."""
         t0 = time.perf_counter()
-        ev, why = self.transport.evaluate(self.method, self.state, self.cfg.split, self.eval_clients)
+        clients = self.eval_clients if clients is None else sorted(clients)
+        self.catch_up(clients)
+        ev, why = self.transport.evaluate(self.method, self.state, self.cfg.split, clients)
         if why:
             ev["missing"] = sorted(why)
             self.note_missing(tag, why)
-        ev["eval_clients"] = {"sampled": len(self.eval_clients), "of": self.num_clients}
-        note = pm_note(ev, len(self.eval_clients), self.num_clients, len(why))
+        ev["eval_clients"] = {"sampled": len(clients), "of": self.num_clients}
+        note = pm_note(ev, len(clients), self.num_clients, len(why))
         if note:
             ev["pm_note"] = note
             if note not in self.said:  # once per run
@@ -294,6 +331,16 @@ class Driver:
             final = self.evaluate("final")
         self.log({"final": final})
         return final
+
+
+def _containers_copied(tree):
+    """``tree`` with its dicts and lists copied and its tensors shared (a snapshot that what is later added to or
+    replaced in the state does not change)."""
+    if isinstance(tree, dict):
+        return {k: _containers_copied(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_containers_copied(v) for v in tree]
+    return tree
 
 
 def pm_note(ev: dict, sampled: int, population: int, missing: int) -> str | None:
