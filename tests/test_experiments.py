@@ -267,6 +267,33 @@ def test_report_figures_are_valid_pngs(sweep_dir):
         assert f"figures/{p.name}" in page
 
 
+def test_the_partition_figure_of_a_large_population_draws_a_seeded_sample(tmp_path, monkeypatch):
+    """A per-client figure of 100,000 clients costs what one of 100 costs: every client up to HEATMAP_CLIENTS,
+    else that many drawn from the run's seed (sorted, distinct), said in the axis label and the caption."""
+    pytest.importorskip("matplotlib")
+    from types import SimpleNamespace
+
+    from matplotlib.axes import Axes
+
+    from fedlt.experiments import figures
+
+    drawn = []
+    real = Axes.imshow
+    monkeypatch.setattr(Axes, "imshow", lambda self, a, **kw: drawn.append(np.asarray(a)) or real(self, a, **kw))
+    rng = np.random.default_rng(0)
+    for K in (30, 5000):
+        run = SimpleNamespace(dir=tmp_path / f"K{K}", seed=3)
+        run.dir.mkdir()
+        counts = rng.integers(0, 5, (K, 10))
+        (run.dir / "partition.json").write_text(json.dumps({"client_class_counts": counts.tolist()}))
+        title, path, caption = figures.partition_heatmap([run], ["fedavg"], f"K{K}", tmp_path)
+        rows = figures.shown_clients(K, 3)
+        assert len(rows) == min(K, figures.HEATMAP_CLIENTS) and len(set(rows.tolist())) == len(rows)
+        assert list(rows) == sorted(rows) and list(rows) == list(figures.shown_clients(K, 3))
+        assert np.array_equal(drawn[-1], np.log1p(counts[rows]))
+        assert ("100 of the 5,000 clients" in caption) == (K == 5000)
+
+
 def test_sweep_file_errors_are_one_line_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown key"):
         parse_sweep({"sede": [0]}, str(tmp_path))

@@ -8,11 +8,14 @@
   whose first dimension is the number of classes) against the class count. Left: the server's, at the end
   (and before the post-training phases, where they differ); right: one client's own head against that
   client's counts. Found generically in final_state.safetensors, labelled by state key.
-- ``partition_<setting>.png``: the client-by-class training counts as a heat map.
-The head-norm and partition figures use the first seed's runs.
+- ``partition_<setting>.png``: the client-by-class training counts as a heat map: every client up to
+  ``HEATMAP_CLIENTS``, else a seeded sample of that many (a figure of 100,000 clients costs what 100 cost).
+The head-norm and partition figures use the first seed's runs; the head-norm figure's client is the largest
+of the (at most 20) clients whose heads the run kept.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from .runstate import head_like, load_final_state  # noqa: E402
 
 
 STYLES = ("-o", "--s", "-.^", ":D", "-v", "--P", "-.X", ":*")  # overlapping methods stay distinguishable
+HEATMAP_CLIENTS = 100  # rows of the partition figure
 
 
 def _safe(label: str) -> str:
@@ -126,7 +130,23 @@ def curves(rs, methods, setting, out: Path):
 
 
 def _partition(run) -> dict:
-    return json.loads((run.dir / "partition.json").read_text())
+    """The run's partition.json, read once per report (at 100,000 clients it holds every client's indices)."""
+    path = run.dir / "partition.json"
+    st = path.stat()
+    return _read_partition(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_partition(path: str, mtime_ns: int, size: int) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def shown_clients(K: int, seed: int, n: int = HEATMAP_CLIENTS) -> np.ndarray:
+    """The clients a per-client figure draws: all ``K`` up to ``n``, else a sample of ``n`` drawn from the
+    run's seed (sorted)."""
+    if K <= n:
+        return np.arange(K)
+    return np.sort(np.random.default_rng([seed, K]).choice(K, size=n, replace=False))
 
 
 def per_class(rs, methods, setting, out: Path):
@@ -251,21 +271,24 @@ def head_norms(rs, methods, setting, out: Path):
 
 def partition_heatmap(rs, methods, setting, out: Path):
     r = min(rs, key=lambda r: r.seed)
-    cc = np.array(_partition(r)["client_class_counts"], dtype=float)
-    K, C = cc.shape
-    fig, ax = plt.subplots(figsize=(min(2 + 0.55 * C, 14), min(1.5 + 0.35 * K, 14)))
+    counts = _partition(r)["client_class_counts"]
+    K = len(counts)
+    rows = shown_clients(K, r.seed)
+    cc = np.array([counts[k] for k in rows], dtype=float).reshape(len(rows), -1)
+    n, C = cc.shape
+    fig, ax = plt.subplots(figsize=(min(2 + 0.55 * C, 14), min(1.5 + 0.35 * n, 14)))
     im = ax.imshow(np.log1p(cc), aspect="auto", cmap="viridis")
-    if K * C <= 400:
+    if n * C <= 400:
         hi = np.log1p(cc).max() / 2
-        for k in range(K):
+        for k in range(n):
             for c in range(C):
                 ax.text(c, k, f"{int(cc[k, c])}", ha="center", va="center", fontsize=7,
                         color="white" if np.log1p(cc[k, c]) < hi else "black")
     ax.set_xlabel("class")
-    ax.set_ylabel("client")
+    ax.set_ylabel("client" if n == K else f"client ({n} of {K:,}: a seeded sample)")
     ax.set_xticks(range(C))
-    if K <= 40:
-        ax.set_yticks(range(K))
+    if n <= 40:
+        ax.set_yticks(range(n), [str(k) for k in rows])
     cb = fig.colorbar(im, ax=ax)
     cb.set_label("log(1 + samples)")
     ax.set_title(f"{setting}: training samples per client and class (seed {r.seed})")
@@ -273,6 +296,7 @@ def partition_heatmap(rs, methods, setting, out: Path):
     path = out / f"partition_{_safe(setting)}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    sampled = "" if n == K else f" {n} of the {K:,} clients are drawn (a sample seeded by the run's seed)."
     return (f"Partition: {setting}", str(path),
             "Client-by-class training counts (every method of this setting and seed trains on exactly this "
-            "partition); color on a log scale, numbers are counts.")
+            f"partition); color on a log scale, numbers are counts.{sampled}")

@@ -28,12 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import SETTINGS
 from ..errors import ConfigError
 
 METRICS = ("GM", "many", "medium", "few", "PM")
 MAIN = ("GM", "PM")
-VARYING_IGNORED = {"out", "name", "threads", "device", "data_placement", "preset", "seed", "method", "params",
-                   "labels", "method_params", "engine", "data_dir", "method_file", "on_diverge", "diverge_factor"}
+# what never names a setting: the settings that change where or how a run executes, never its numbers (declared
+# result=False: --threads, --device, --client-state-memory, ...), and the labels'
+VARYING_IGNORED = {name for name, s in SETTINGS.items() if not s.decl.result} | \
+    {"seed", "method", "params", "labels", "method_params", "engine", "method_file"}
 
 
 @dataclass
