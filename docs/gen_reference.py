@@ -210,7 +210,8 @@ GROUPS = [
                                          "list_methods", "RunResult", "Comparison", "Metrics", "MethodInfo",
                                          "RunConfig"]),
     ("Writing a method", ["Method", "Message", "Predictor", "RunSpec", "train_local", "weights_of",
-                          "load_weights", "LocalSteps", "Train", "Trained", "StepModel", "ce", "strip"]),
+                          "load_weights", "LocalSteps", "Train", "Trained", "StepModel", "ce", "strip",
+                          "setting"]),
     ("Registries and errors", ["METHODS", "DATASETS", "MODELS", "PARTITIONS", "FedltError", "ConfigError",
                                "DataError"]),
 ]

@@ -189,3 +189,75 @@ def test_a_run_directory_from_before_a_setting_existed_still_resumes():
     assert config_differences(saved, current) == []
     assert config_differences({**saved, "lr_gamma": 0.5}, current) == ["lr_gamma: 0.5 -> 0.1"]
     assert "allow_large" in NOT_COMPARED and "rounds" not in NOT_COMPARED
+
+
+# ------------------------------------------------------------------------------------------------ method Params
+def _methods():
+    from fedlt.registry import METHODS
+
+    return [(n, c) for n, c in METHODS.items() if METHODS.origin(n) == "built-in"]
+
+
+def test_every_built_in_method_parameter_is_declared_with_help_and_no_numeric_sentinel():
+    """Typed fields with help; "use the variant's default" is None (with what None means), never a number."""
+    for name, cls in _methods():
+        for pname, x in settings_of(cls.Params).items():
+            assert x.declared and x.decl.help, f"{name}.{pname} is not declared with help"
+            assert x.kind in (bool, int, float, str), f"{name}.{pname}: type {x.kind}"
+            if x.default is None:
+                assert x.nullable and x.decl.none_means, f"{name}.{pname}: None without its meaning"
+            if isinstance(x.default, (int, float)) and not isinstance(x.default, bool):
+                check(x, x.default)  # a numeric default inside its own declared range: no sentinel
+
+
+def test_method_parameters_are_checked_by_the_base_class_however_params_are_made():
+    from fedlt.core.spec import RunSpec
+    from fedlt.registry import METHODS
+
+    fedloge = METHODS.get("fedloge")
+    with pytest.raises(ConfigError, match=r"fedloge.beta must be in \[0, 1\), got 1.5"):
+        fedloge.make_params({"beta": "1.5"})
+    with pytest.raises(ConfigError, match="unknown fedloge.realign 'offical'; choose paper or official"):
+        fedloge.make_params({"realign": "offical"})
+    p = fedloge.make_params({"head_lr": "-1", "gafr_norm": 0, "beta": "none"})  # earlier versions' sentinels
+    assert (p.head_lr, p.gafr_norm, p.beta) == (None, None, None)
+    spec = RunSpec(model="mlp", in_shape=(1, 8, 8), num_classes=10)
+    focal = METHODS.get("fedfocal")
+    with pytest.raises(ConfigError, match="fedfocal.gamma must be >= 0, got -1"):
+        focal(spec, focal.Params(gamma=-1.0))  # made directly, not through make_params
+    dr = METHODS.get("dr")  # a subclass that only changes defaults keeps the declaration
+    assert dr.make_params().beta == 1.0
+    with pytest.raises(ConfigError, match=r"dr.beta must be in \[0, 1\]"):
+        dr.make_params({"beta": 2})
+
+
+def test_a_resumed_run_from_before_none_reads_the_old_sentinel_as_none():
+    from fedlt.experiments.runstate import config_differences
+
+    current = {"method": "fedloge", "method_params": {"beta": None, "head_lr": None, "fixed": "sse-c"}}
+    saved = {"method": "fedloge", "method_params": {"beta": -1.0, "head_lr": -1.0, "fixed": "sse-c"}}
+    assert config_differences(saved, current) == []
+    saved["method_params"]["beta"] = 0.5
+    assert config_differences(saved, current) == ["method_params: {'beta': 0.5, 'head_lr': None, 'fixed': "
+                                                  "'sse-c'} -> {'beta': None, 'head_lr': None, 'fixed': 'sse-c'}"]
+
+
+def test_a_plain_params_dataclass_with_comments_still_works():
+    """The style of plugins written before declarations: converted like the default, described by the comment."""
+    from fedlt.core.api import Method
+
+    class Old(Method):
+        name = "old"
+
+        @dataclass
+        class Params:
+            scale: float = 2.0  # how much
+            steps: int = 3  # how many
+
+    p = Old.make_params({"scale": "0.5", "steps": "4"})
+    assert (p.scale, p.steps) == (0.5, 4)
+    with pytest.raises(ConfigError, match="old.steps expects a int"):
+        Old.make_params({"steps": "many"})
+    with pytest.raises(ConfigError, match="method old has no parameter 'nu'"):
+        Old.make_params({"nu": 1})
+    assert [(r["name"], r["help"]) for r in rows(Old.Params)] == [("scale", "how much"), ("steps", "how many")]

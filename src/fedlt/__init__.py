@@ -4,8 +4,8 @@ The public, stable API is what ``__all__`` lists: running and comparing methods 
 ``run``, ``compare``, ``sweep``, ``report``, ``load``, ``reproduce`` (a paper's table) and their results), and
 what a method of your own needs
 (``Method``, ``Message``, ``Predictor``, ``RunSpec``, the local-step description ``LocalSteps``/``Train``/
-``Trained``/``StepModel``/``ce``/``strip``, ``train_local``, ``weights_of``, ``load_weights``,
-``METHODS.register``; see docs/writing-a-method.md and docs/batched-clients.md). Everything else may change between versions.
+``Trained``/``StepModel``/``ce``/``strip``, ``train_local``, ``weights_of``, ``load_weights``, ``setting`` (a
+declared hyper-parameter), ``METHODS.register``; see docs/writing-a-method.md and docs/batched-clients.md). Everything else may change between versions.
 """
 __version__ = "0.1.0"
 
@@ -19,6 +19,7 @@ from .data import datasets as _datasets, partition as _partition  # noqa: E402,F
 from .api import (Comparison, MethodInfo, Metrics, Reproduced, RunResult, compare, list_methods, load,  # noqa: E402
                   make_config, report, reproduce, run, sweep)
 from .config import RunConfig  # noqa: E402
+from .decl import setting  # noqa: E402
 from .core import (LocalSteps, Message, Method, Predictor, RunSpec, StepModel, Train, Trained, ce,  # noqa: E402
                    load_weights, strip, train_local, weights_of)
 
@@ -28,7 +29,7 @@ __all__ = [
     "RunResult", "Comparison", "Metrics", "MethodInfo", "RunConfig", "Reproduced",
     # writing a method (fedlt.core.api, fedlt.core.training)
     "Method", "Message", "Predictor", "RunSpec", "train_local", "weights_of", "load_weights",
-    "LocalSteps", "Train", "Trained", "StepModel", "ce", "strip",
+    "LocalSteps", "Train", "Trained", "StepModel", "ce", "strip", "setting",
     # registries (METHODS.register) and errors
     "METHODS", "DATASETS", "MODELS", "PARTITIONS", "FedltError", "ConfigError", "DataError",
 ]

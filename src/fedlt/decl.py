@@ -78,7 +78,20 @@ class Decl:
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
             **decl: Any) -> Any:
-    """A dataclass field with its declaration (see :class:`Decl` for the keywords). ``factory`` instead of
+    """A dataclass field that declares a setting or a method's hyper-parameter once::
+
+        mu: float = setting(0.01, "proximal coefficient", low=0)
+        beta: float | None = setting(None, "sparsity", low=0, high=1, high_open=True, none_means="the kind's")
+        loss: str = setting("ce", "ce | paper", choices=("ce", "paper"))
+
+    The type is the field's annotation (bool, int, float, str, ``X | None``, ``tuple[str, ...]`` for a list).
+    Keywords (:class:`Decl`): ``choices``; ``low`` / ``high`` with ``low_open`` / ``high_open`` (a bound is
+    included unless open); ``limit``, a soft upper bound that ``--allow-large`` lifts; ``none_means``, what
+    None stands for; ``old_none``, an earlier version's sentinel for None (``"< 0"``, ``"== 0"``), still read
+    as None; ``unit``, ``metavar``, ``flags`` (extra command-line spellings), ``group``; ``registry`` (the value
+    must name one of its entries); ``parse`` (a notation of its own, e.g. :func:`byte_size`); ``hint`` (advice
+    added to an out-of-range error); ``label`` (the name in messages); ``cli`` (False: no command-line
+    option); ``result`` (False: changes how a run executes, not its numbers). ``factory`` instead of
     ``default`` for a mutable default."""
     meta = {"decl": Decl(help=help, **decl)}
     if factory is not None:
@@ -128,10 +141,21 @@ def settings_of(cls: type) -> dict[str, Setting]:
             else:
                 default = dataclasses.MISSING
             kind, item, nullable = _kind(hints.get(f.name), default)
-            decl = f.metadata.get("decl")
+            decl = f.metadata.get("decl") or _inherited(cls, f.name)
             out[f.name] = Setting(f.name, kind, item, nullable, default, decl or Decl(), decl is not None)
         _CACHE[cls] = out
     return _CACHE[cls]
+
+
+def _inherited(cls: type, name: str) -> Decl | None:
+    """The declaration of ``name`` in a base dataclass: a subclass that only changes a default
+    (``class Params(Base.Params): beta: float = 1.0``) keeps the base's help, range and choices."""
+    for base in cls.__mro__[1:]:
+        if dataclasses.is_dataclass(base):
+            f = {g.name: g for g in dataclasses.fields(base)}.get(name)
+            if f is not None and "decl" in f.metadata:
+                return f.metadata["decl"]
+    return None
 
 
 def _kind(hint, default) -> tuple[type | None, type | None, bool]:
@@ -345,11 +369,13 @@ def _check_one(s: Setting, v: Any, label: str, allow_large: bool) -> None:
 
 
 def check_values(obj: Any, prefix: str | None = None, allow_large: bool = False, names=None) -> None:
-    """Coerce (in place) and check every declared field of the dataclass instance ``obj``."""
+    """Coerce (in place) and check every field of the dataclass instance ``obj``; what an earlier version wrote
+    for None (``old_none``) becomes None."""
     for name, s in settings_of(type(obj)).items():
         if names is not None and name not in names:
             continue
-        v = coerce(s, getattr(obj, name), prefix)
+        v = getattr(obj, name)
+        v = None if s.declared and was_none(s, v) else coerce(s, v, prefix)
         check(s, v, prefix, allow_large)
         object.__setattr__(obj, name, v)
 

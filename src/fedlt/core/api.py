@@ -24,6 +24,7 @@ eval_payload(state, cid)                ==>   personal_model(payload, cstate, da
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..decl import from_values
+from ..decl import check_values, from_values
 from ..models import Model, build_model
 from .spec import RunSpec, load_weights, weights_of
 from .steps import run_steps
@@ -88,7 +89,10 @@ def derive_seed(*keys: int) -> int:
 class Method:
     """Base class with FedAvg behaviour; a method overrides the hooks it changes.
 
-    Subclasses set ``name``, a ``Params`` dataclass of hyper-parameters (defaults as the paper), and
+    Subclasses set ``name``, a ``Params`` dataclass of hyper-parameters (defaults as the paper, each field
+    declared with :func:`fedlt.decl.setting`: its help, range or choices, None for "the variant's default";
+    the base class checks every value against its declaration, so a method checks only what relates two
+    parameters; a plain field with a comment still works), and
     ``personalized`` when they have personal models and ``generic = False`` when ``global_model`` returns
     None (no generic model). ``phases`` names the post-training phases.
     """
@@ -105,6 +109,8 @@ class Method:
     def __init__(self, spec: RunSpec, params: Any = None):
         self.spec = spec
         self.p = params if params is not None else self.Params()
+        if dataclasses.is_dataclass(self.p):  # every parameter against its declaration, however Params was made
+            check_values(self.p, prefix=self.name)
         self._net: Model | None = None  # client-side working model, reused across clients
 
     # ---------------------------------------------------------------- hyper-parameters

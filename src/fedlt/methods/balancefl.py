@@ -50,7 +50,7 @@ from ..core.losses import masked_logits
 from ..core.retrain import local_features
 from ..core.sampling import class_balanced_batches
 from ..core.training import Meter
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 
 
@@ -95,26 +95,20 @@ class BalanceFL(Method):
 
     @dataclass
     class Params:
-        ki_temperature: float = 2.0  # distillation temperature T (paper Sec. 7.1)
-        ki_weight: float = 1.0  # weight of the knowledge-inheritance loss (code: lambda = 1; paper Eq. 10: 1)
-        smooth_weight: float = 0.002  # lambda_1, on the batch *sum* of the negative entropy (code's value)
-        balanced_sampling: bool = True
-        feat_aug: bool = True
-        class_sets: str = "client"  # client (paper) | batch (official code)
-        restrict_softmax: bool = False  # true: KD softmax over absent, CE/entropy over present (official code)
-        optimizer: str = "adam"  # adam (paper, lr adam_lr) | sgd (the run's SGD settings)
-        adam_lr: float = 0.005
-        keep_optimizer_state: bool = False  # official code: each client keeps its Adam moments across rounds
+        ki_temperature: float = setting(2.0, "distillation temperature T (paper Sec. 7.1)", low=0, low_open=True)
+        ki_weight: float = setting(1.0, "weight of the knowledge-inheritance loss (code: lambda = 1; paper Eq. 10: 1)")
+        smooth_weight: float = setting(0.002, "lambda_1, on the batch *sum* of the negative entropy (code's value)")
+        balanced_sampling: bool = setting(True, "class-balanced sampling (Eq. 5)")
+        feat_aug: bool = setting(True, "feature-space augmentation of the tail classes (Eq. 7)")
+        class_sets: str = setting("client", "client (paper) | batch (official code)", choices=("client", "batch"))
+        restrict_softmax: bool = setting(False, "true: KD softmax over absent, CE/entropy over present (official code)")
+        optimizer: str = setting("adam", "adam (paper, lr adam_lr) | sgd (the run's SGD settings)",
+                                 choices=("adam", "sgd"))
+        adam_lr: float = setting(0.005, "the Adam optimizer's lr", low=0, low_open=True)
+        keep_optimizer_state: bool = setting(False, "official code: each client keeps its Adam moments across rounds")
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
-        p = self.p
-        if p.class_sets not in ("client", "batch"):
-            raise ConfigError(f"balancefl.class_sets must be client or batch, got {p.class_sets!r}")
-        if p.optimizer not in ("adam", "sgd"):
-            raise ConfigError(f"balancefl.optimizer must be adam or sgd, got {p.optimizer!r}")
-        if p.ki_temperature <= 0 or p.adam_lr <= 0:
-            raise ConfigError("balancefl: ki_temperature and adam_lr must be > 0")
         self._teacher = None
 
     def optimizer(self, params, lr):

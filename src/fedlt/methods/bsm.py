@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..core.losses import balanced_softmax_loss
 from ..core.priors import CountLoss, prior_counts
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -29,11 +30,8 @@ class FedAvgBSM(CountLoss, FedAvg):
 
     @dataclass
     class Params:
-        absent_count: float = 0.0  # count used for classes the client lacks (0: masked; 1: FedETF's clamp)
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        prior_counts([1], self.p.absent_count)  # validate
+        absent_count: float = setting(0.0, "count used for classes the client lacks (0: masked; 1: FedETF's clamp)",
+                                      low=0)
 
     def local_loss(self, logits, y, counts):
         return balanced_softmax_loss(logits, y, prior_counts(counts, self.p.absent_count))

@@ -35,7 +35,7 @@ import torch
 
 from ..core import Message, derive_seed, load_weights
 from ..core.retrain import class_gaussians, draw_class_features, retrain_head, retrained_head_modes
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -50,19 +50,12 @@ class CCVR(FedAvg):
 
     @dataclass
     class Params:
-        per_class: int = 2000  # M_c, virtual representations per class
-        epochs: int = 10  # classifier re-training epochs
-        lr: float = 0.001
-        momentum: float = 0.9
-        weight_decay: float = 1e-5
-        biased_local_cov: bool = False  # the reimplementation's 1/N local covariance
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        p = self.p
-        if p.per_class < 1 or p.epochs < 0 or not p.lr > 0 or not 0 <= p.momentum < 1 or p.weight_decay < 0:
-            raise ConfigError("ccvr: per_class must be >= 1, epochs >= 0, lr > 0, 0 <= momentum < 1, "
-                              "weight_decay >= 0")
+        per_class: int = setting(2000, "M_c, virtual representations per class", low=1)
+        epochs: int = setting(10, "classifier re-training epochs", low=0)
+        lr: float = setting(0.001, "re-training learning rate (SGD)", low=0, low_open=True)
+        momentum: float = setting(0.9, "re-training momentum", low=0, high=1, high_open=True)
+        weight_decay: float = setting(1e-5, "re-training weight decay", low=0)
+        biased_local_cov: bool = setting(False, "the reimplementation's 1/N local covariance")
 
     # ------------------------------------------------------------------ the calibration phase
     def phase_configure(self, phase, state, cid):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import Message, Method, derive_seed, load_weights, train_local, weights_of
+from ..decl import setting
 from ..errors import ConfigError
 from ..registry import METHODS
 
@@ -36,12 +37,10 @@ class Centralized(Method):
 
     @dataclass
     class Params:
-        epochs_per_round: int = 1  # epochs over the pooled data per round
+        epochs_per_round: int = setting(1, "epochs over the pooled data per round", low=1)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
-        if self.p.epochs_per_round < 1:
-            raise ConfigError("centralized: epochs_per_round must be >= 1")
         self.pool = None
 
     def configure(self, state, rnd, cid):

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, Method, load_weights, train_local, weighted_average, weights_of
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 
 
@@ -73,15 +73,10 @@ class CLIMB(Method):
 
     @dataclass
     class Params:
-        dual_lr: float = 2.0  # eta_lambda (official MNIST/FMNIST; CIFAR-10: 0.1)
-        epsilon: float = 0.01  # tolerance (official MNIST/FMNIST; CIFAR-10: 0.1)
-        dual_every: int = 5  # primal rounds per dual step (official n_p_steps)
-        weighted: bool = False  # n_k-weighted primal step (RedGrape port); official: uniform over clients
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if self.p.dual_every < 1 or self.p.dual_lr < 0:
-            raise ConfigError("climb: dual_every must be >= 1 and dual_lr >= 0")
+        dual_lr: float = setting(2.0, "eta_lambda (official MNIST/FMNIST; CIFAR-10: 0.1)", low=0)
+        epsilon: float = setting(0.01, "tolerance (official MNIST/FMNIST; CIFAR-10: 0.1)")
+        dual_every: int = setting(5, "primal rounds per dual step (official n_p_steps)", low=1)
+        weighted: bool = setting(False, "n_k-weighted primal step (RedGrape port); official: uniform over clients")
 
     # ------------------------------------------------------------------ server
     def init_server(self) -> dict:

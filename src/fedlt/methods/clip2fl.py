@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.clip import clip_input, load_image_tower, load_text_embeddings
+from ..decl import setting
 from ..errors import ConfigError
 from ..registry import METHODS
 from .creff import CReFF
@@ -66,12 +67,12 @@ class CLIP2FL(CReFF):
 
     @dataclass
     class Params(CReFF.Params):
-        clip_weights: str = ""  # safetensors file: a CLIP ViT image tower (OpenAI layout)
-        text_embeddings: str = ""  # safetensors file: tensor "text" [C, embed], one row per class
-        alpha: float = 1.0  # weight of the CLIP distillation
-        T: float = 3.0  # its temperature
-        contrast_alpha: float = 0.001  # weight of the feature-text contrast on the server
-        ins_temp: float = 0.1  # its temperature
+        clip_weights: str = setting("", "safetensors file: a CLIP ViT image tower (OpenAI layout); required")
+        text_embeddings: str = setting("", 'safetensors file: tensor "text" [C, embed], one row per class; required')
+        alpha: float = setting(1.0, "weight of the CLIP distillation", low=0)
+        T: float = setting(3.0, "its temperature", low=0, low_open=True)
+        contrast_alpha: float = setting(0.001, "weight of the feature-text contrast on the server", low=0)
+        ins_temp: float = setting(0.1, "its temperature", low=0, low_open=True)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
@@ -79,8 +80,6 @@ class CLIP2FL(CReFF):
         if not p.clip_weights or not p.text_embeddings:
             raise ConfigError("clip2fl needs pretrained CLIP files: --set clip_weights=PATH --set "
                               "text_embeddings=PATH (safetensors; docs/methods-guide.md says how to make them)")
-        if p.alpha < 0 or not p.T > 0 or p.contrast_alpha < 0 or not p.ins_temp > 0:
-            raise ConfigError("clip2fl: need alpha >= 0, T > 0, contrast_alpha >= 0, ins_temp > 0")
         self.text = load_text_embeddings(p.text_embeddings, spec.num_classes, spec.device)
         if p.contrast_alpha > 0 and self.text.shape[1] != self.net.feature_dim:
             raise ConfigError(f"clip2fl: the feature-text contrast needs the model's feature width "

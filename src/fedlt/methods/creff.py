@@ -57,7 +57,7 @@ from ..core import (Message, Method, Predictor, ce_loss, derive_seed, load_weigh
 from ..core.classgrad import head_ce_grads, mean_class_grads, pack_class_grads
 from ..core.dsa import siamese_augment
 from ..core.retrain import retrain_head
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 
 HEAD_INIT, FEAT_INIT, CRT_INIT, CRT_SHUFFLE = 111, 112, 113, 114  # seed purposes
@@ -99,24 +99,16 @@ class CReFF(Method):
 
     @dataclass
     class Params:
-        ipc: int = 100  # federated features per class (official num_of_feature)
-        match_epochs: int = 100  # gradient-matching steps on the features per round
-        crt_epochs: int = 300  # classifier re-training epochs per round
-        lr_feature: float = 0.1
-        lr_net: float = 0.01  # re-training learning rate
-        crt_batch_size: int = 32
-        batch_real: int = 32  # real samples per class per repeat for the uploaded gradients
-        real_repeats: int = 10
-        dsa: bool = False  # official main.py: Differentiable Siamese Augmentation of every real per-class batch
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        p = self.p
-        if min(p.ipc, p.crt_batch_size, p.batch_real, p.real_repeats) < 1 or min(p.match_epochs, p.crt_epochs) < 0:
-            raise ConfigError("creff: ipc, crt_batch_size, batch_real, real_repeats must be >= 1 and "
-                              "match_epochs, crt_epochs >= 0")
-        if p.lr_feature <= 0 or p.lr_net <= 0:
-            raise ConfigError("creff: lr_feature and lr_net must be > 0")
+        ipc: int = setting(100, "federated features per class (official num_of_feature)", low=1)
+        match_epochs: int = setting(100, "gradient-matching steps on the features per round", low=0)
+        crt_epochs: int = setting(300, "classifier re-training epochs per round", low=0)
+        lr_feature: float = setting(0.1, "learning rate of the federated features", low=0, low_open=True)
+        lr_net: float = setting(0.01, "re-training learning rate", low=0, low_open=True)
+        crt_batch_size: int = setting(32, "re-training batch size", low=1)
+        batch_real: int = setting(32, "real samples per class per repeat for the uploaded gradients", low=1)
+        real_repeats: int = setting(10, "repeats of the real-gradient computation", low=1)
+        dsa: bool = setting(False, "official main.py: Differentiable Siamese Augmentation of every real per-class "
+                                   "batch")
 
     def new_head(self, purpose: int, rnd: int = 0) -> nn.Linear:
         d, C = self.net.feature_dim, self.spec.num_classes

@@ -11,7 +11,7 @@ Server: FedAvg (weighted by n_k) of the global updates.
 Inference: GM = w; PM = v_k.
 
 Defaults: lambda = 1 (FL-bench and the FedRep repository; the paper tunes lambda on a small grid, about 0.01
-to 2), one personal epoch per local epoch of the global update (``personal_epochs`` 0 = the run's
+to 2), one personal epoch per local epoch of the global update (``personal_epochs`` None = the run's
 ``local_epochs``), the run's SGD for both updates. Order: global first, then personal, anchored to the
 received w^t (FL-bench); PFLlib runs the personal update first -- with the anchor right the two are the same
 method. FedLoGe's own "Ditto" baseline differs: it anchors to the client's previous personal model and never
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..core import load_weights, train_local, weights_of
 from ..core.personal import initial_weights, personal_net, personal_predictor
 from ..core.proximal import proximal_term
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -38,13 +38,9 @@ class Ditto(FedAvg):
 
     @dataclass
     class Params:
-        lam: float = 1.0  # lambda: pull of the personal model towards the received global model
-        personal_epochs: int = 0  # epochs of the personal update per round; 0: the run's local_epochs
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if self.p.lam < 0 or self.p.personal_epochs < 0:
-            raise ConfigError("ditto: lam and personal_epochs must be >= 0")
+        lam: float = setting(1.0, "lambda: pull of the personal model towards the received global model", low=0)
+        personal_epochs: int | None = setting(None, "epochs of the personal update per round", low=1,
+                                              none_means="the run's local_epochs", old_none="== 0")
 
     def init_client(self, cid, data):
         return {"personal": initial_weights(self)}
@@ -58,7 +54,7 @@ class Ditto(FedAvg):
         def loss_fn(model, x, y):
             return F.cross_entropy(model(x), y) + 0.5 * lam * proximal_term(model, anchor)
 
-        stats = train_local(v, data, self.spec, gen, loss_fn, epochs=self.p.personal_epochs or None, lr=payload.lr)
+        stats = train_local(v, data, self.spec, gen, loss_fn, epochs=self.p.personal_epochs, lr=payload.lr)
         reply.meta["personal_loss"] = stats["loss"]
         return reply, {**cstate, "personal": weights_of(v)}
 

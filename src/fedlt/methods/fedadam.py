@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.server_opt import ServerOpt, adam_direction
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -33,20 +33,11 @@ class FedAdam(ServerOpt, FedAvg):
 
     @dataclass
     class Params:
-        server_lr: float = 0.01  # eta
-        beta1: float = 0.9
-        beta2: float = 0.99
-        tau: float = 1e-3  # degree of adaptivity
-        bias_correction: bool = False  # the paper has none
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        p = self.p
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(p, name) < 1.0:
-                raise ConfigError(f"fedadam: {name} must be in [0, 1), got {getattr(p, name)}")
-        if not p.tau > 0:
-            raise ConfigError(f"fedadam: tau must be > 0, got {p.tau}")
+        server_lr: float = setting(0.01, "eta, the server's step size", low=0, low_open=True)
+        beta1: float = setting(0.9, "first-moment decay", low=0, high=1, high_open=True)
+        beta2: float = setting(0.99, "second-moment decay", low=0, high=1, high_open=True)
+        tau: float = setting(1e-3, "degree of adaptivity", low=0, low_open=True)
+        bias_correction: bool = setting(False, "Adam's bias correction (the paper has none)")
 
     def direction(self, g, opt):
         p = self.p

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.server_opt import ServerOpt, momentum_direction
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -41,14 +41,9 @@ class FedAvgM(ServerOpt, FedAvg):
 
     @dataclass
     class Params:
-        server_lr: float = 1.0  # eta_s
-        momentum: float = 0.9  # beta
-        nesterov: bool = False  # FL-bench's variant: direction g + beta * v
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if not 0.0 <= self.p.momentum < 1.0:
-            raise ConfigError(f"fedavgm: momentum must be in [0, 1), got {self.p.momentum}")
+        server_lr: float = setting(1.0, "eta_s, the server's step size", low=0, low_open=True)
+        momentum: float = setting(0.9, "beta, the server momentum", low=0, high=1, high_open=True)
+        nesterov: bool = setting(False, "FL-bench's variant: direction g + beta * v")
 
     def direction(self, g, opt):
         return momentum_direction(g, opt, self.p.momentum, self.p.nesterov)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..core import Message, Train, load_weights, make_optimizer, train_local, weighted_average, weights_of
 from ..core.personal import PartialSharing, personal_predictor
-from ..errors import ConfigError
+from ..decl import setting
 from ..models import head_keys
 from ..registry import METHODS
 
@@ -38,14 +38,9 @@ class FedBABU(PartialSharing):
 
     @dataclass
     class Params:
-        finetune_epochs: int = 5  # personalization epochs of the official evaluation
-        finetune_lr: float = 1e-3  # its fine-tuning lr (training used 0.1)
-        uniform: bool = False  # true: average bodies without weights, as the official code does
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if self.p.finetune_epochs < 0 or self.p.finetune_lr < 0:
-            raise ConfigError("fedbabu: finetune_epochs and finetune_lr must be >= 0")
+        finetune_epochs: int = setting(5, "personalization epochs of the official evaluation", low=0)
+        finetune_lr: float = setting(1e-3, "its fine-tuning lr (training used 0.1)", low=0)
+        uniform: bool = setting(False, "true: average bodies without weights, as the official code does")
 
     trains = (Train("backbone."),)  # the body trains; the head is in no optimiser
 

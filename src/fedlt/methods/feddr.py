@@ -27,13 +27,13 @@ no standalone official FedDr+ repository exists):
   every process builds the same head and it is never sent: messages carry the backbone only (the code ships
   the whole state dict, frozen head included: C x d more floats per message).
 - The learning rate was grid-searched per algorithm in the paper (0.35 on CIFAR-10/VGG-11, 5.0 on
-  CIFAR-100/MobileNet; the cosine loss has small gradients). ``lr`` (0 = the run's ``--lr``) sets it.
+  CIFAR-100/MobileNet; the cosine loss has small gradients). ``lr`` (None = the run's ``--lr``) sets it.
 - The code's Dirichlet setting runs a fixed number of steps per client (mean client size / batch x E, on
   fresh random batches); here clients run E epochs over their own data, like every other method of the
   comparison. The code decays the lr x0.1 at rounds 160 and 240: ``--lr-schedule step --lr-milestones 160,240``
   (an own ``lr`` is scaled by the schedule like the run's); the default schedule is constant.
 - The exact FT recipe of the paper is not published (the code base's PFL protocol fine-tunes for 5 epochs);
-  ``ft_epochs`` = 5 and the run's optimiser settings (``ft_lr`` = 0: the run's lr).
+  ``ft_epochs`` = 5 and the run's optimiser settings (``ft_lr`` None: the run's lr).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from torch import nn
 from ..core import Message, Method, load_weights, make_optimizer, train_local, weights_of
 from ..core.etf import fixed_classifier
 from ..core.personal import personal_predictor
-from ..errors import ConfigError
+from ..decl import setting
 from ..models import backbone_keys
 from ..registry import METHODS
 
@@ -71,20 +71,20 @@ class FedDrPlus(Method):
 
     @dataclass
     class Params:
-        beta: float = 0.9  # weight of dot-regression vs. feature distillation (Eq. 1; hard-coded 0.9 in the code)
-        lr: float = 0.0  # local SGD lr; 0: the run's --lr (the paper tunes it per algorithm, see the docstring)
-        ft_epochs: int = 5  # FedDr+ FT: local fine-tuning epochs after training (0: no personalization phase)
-        ft_beta: float = 0.9  # beta of the fine-tuning loss (App. D.1: L_Dr+; D.2: L_DR = 1.0 also works)
-        ft_lr: float = 0.0  # fine-tuning lr; 0: the run's --lr
+        beta: float = setting(0.9, "weight of dot-regression vs. feature distillation (Eq. 1; hard-coded 0.9 in the "
+                                   "code)", low=0, high=1)
+        lr: float | None = setting(None, "local SGD lr (the paper tunes it per algorithm, see the docstring)", low=0,
+                                   low_open=True, none_means="the run's --lr", old_none="== 0")
+        ft_epochs: int = setting(5, "FedDr+ FT: local fine-tuning epochs after training (0: no personalization "
+                                    "phase)", low=0)
+        ft_beta: float = setting(0.9, "beta of the fine-tuning loss (App. D.1: L_Dr+; D.2: L_DR = 1.0 also works)",
+                                 low=0, high=1)
+        ft_lr: float | None = setting(None, "fine-tuning lr", low=0, low_open=True, none_means="the run's --lr",
+                                      old_none="== 0")
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         p = self.p
-        for k in ("beta", "ft_beta"):
-            if not 0.0 <= getattr(p, k) <= 1.0:
-                raise ConfigError(f"{self.name}: {k} must be in [0, 1], got {getattr(p, k)}; set it with --set {k}=0.9")
-        if p.lr < 0 or p.ft_lr < 0 or p.ft_epochs < 0:
-            raise ConfigError(f"{self.name}: lr, ft_lr and ft_epochs must be >= 0 (0 lr = the run's --lr)")
         self.phases = ("finetune",) if p.ft_epochs > 0 else ()
         self.sent = sorted(backbone_keys(self.net))  # what crosses the network: the backbone only
         self._teacher = None
@@ -130,7 +130,7 @@ class FedDrPlus(Method):
 
     def local_train(self, payload, cstate, data, gen):
         lr = self.round_lr(payload)
-        if self.p.lr:
+        if self.p.lr is not None:
             lr = self.p.lr * lr / self.spec.lr  # --lr-schedule scales an own lr like the run's
         stats = self._train(payload.arrays, data, gen, self.p.beta, self.spec.local_epochs, lr)
         return Message(weights_of(self.net, self.sent), {"num_examples": len(data), **stats}), cstate
@@ -138,7 +138,7 @@ class FedDrPlus(Method):
     # ---------------------------------------------------------------- FedDr+ FT
     def phase_client(self, phase, payload, cstate, data, gen):
         stats = self._train(payload.arrays, data, gen, self.p.ft_beta, self.p.ft_epochs,
-                            self.p.ft_lr or self.round_lr(payload))
+                            self.round_lr(payload) if self.p.ft_lr is None else self.p.ft_lr)
         cstate = {**cstate, "personal": weights_of(self.net, self.sent)}
         return Message(meta={"num_examples": len(data), **stats}), cstate
 

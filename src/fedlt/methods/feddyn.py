@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..core import Message, Predictor, load_weights, train_local, weighted_average, weights_of
 from ..core.server_opt import ParamKeys
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -44,12 +44,7 @@ class FedDyn(ParamKeys, FedAvg):
 
     @dataclass
     class Params:
-        alpha: float = 0.01  # strength of the dynamic regulariser
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if not self.p.alpha > 0:
-            raise ConfigError(f"feddyn: alpha must be > 0, got {self.p.alpha}")
+        alpha: float = setting(0.01, "strength of the dynamic regulariser", low=0, low_open=True)
 
     def _zeros(self, weights) -> dict[str, torch.Tensor]:
         return {k: torch.zeros_like(weights[k]) for k in self.param_keys}

@@ -17,7 +17,7 @@ Personalization (a post-training phase ``personalize``, every client once, after
   3. the personalized model logits beta M_k h^_k stay on the client.
 
 Paper vs. official code (official repository ZexiLee/ICCV-2023-FedETF):
-- The code projects to d = C (``proj_dim`` = 0 means C); M comes from the QR of a U[0,1) matrix, regenerated at
+- The code projects to d = C (``proj_dim`` None means C); M comes from the QR of a U[0,1) matrix, regenerated at
   random in every model's constructor (its pitfall 1); here from the QR of a seeded Gaussian matrix, identical
   everywhere (the paper: any random orthogonal basis).
 - The code keeps each client's SGD momentum buffers across rounds (``keep_momentum=true``); the default is a
@@ -40,6 +40,7 @@ from ..core.etf import fixed_classifier
 from ..core.personal import personal_predictor
 from ..core.losses import balanced_softmax_loss
 from ..core.priors import prior_counts
+from ..decl import setting
 from ..errors import ConfigError
 from ..models import Model
 from ..registry import METHODS
@@ -108,25 +109,25 @@ class FedETF(Method):
 
     @dataclass
     class Params:
-        proj_dim: int = 0  # dimension d of the ETF space; 0: the number of classes C (the official code)
-        absent_count: float = 1.0  # count used in the balanced loss for classes the client lacks (code: clamp 1)
-        keep_momentum: bool = False  # keep each client's SGD momentum across rounds (the official code does)
-        pers_rounds: int = 20  # personalization: alternations of (M only, projection only); 0: no phase
-        pers_epochs: int = 3  # epochs of each half of an alternation
-        pers_lr_m: float = 0.1  # SGD lr for M_k (no momentum, no weight decay)
-        pers_lr_proj: float = 0.05  # SGD lr for the projection (momentum 0.9)
-        pers_wd_proj: float = 5e-4  # weight decay for the projection
+        proj_dim: int | None = setting(None, "dimension d of the ETF space, >= C-1 to hold a simplex ETF", low=1,
+                                       none_means="the number of classes C (the official code)", old_none="== 0")
+        absent_count: float = setting(1.0, "count used in the balanced loss for classes the client lacks (code: "
+                                           "clamp 1)", low=0)
+        keep_momentum: bool = setting(False, "keep each client's SGD momentum across rounds (the official code does)")
+        pers_rounds: int = setting(20, "personalization: alternations of (M only, projection only); 0: no phase",
+                                   low=0)
+        pers_epochs: int = setting(3, "epochs of each half of an alternation", low=0)
+        pers_lr_m: float = setting(0.1, "SGD lr for M_k (no momentum, no weight decay)", low=0)
+        pers_lr_proj: float = setting(0.05, "SGD lr for the projection (momentum 0.9)", low=0)
+        pers_wd_proj: float = setting(5e-4, "weight decay for the projection", low=0)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         p = self.p
         C = spec.num_classes
-        if p.proj_dim and p.proj_dim < C - 1:
-            raise ConfigError(f"fedetf: proj_dim must be 0 (= C) or >= C-1 = {C - 1} to hold a simplex ETF, "
+        if p.proj_dim is not None and p.proj_dim < C - 1:
+            raise ConfigError(f"fedetf: proj_dim must be None (= C) or >= C-1 = {C - 1} to hold a simplex ETF, "
                               f"got {p.proj_dim}")
-        if min(p.pers_rounds, p.pers_epochs) < 0 or min(p.pers_lr_m, p.pers_lr_proj, p.pers_wd_proj) < 0:
-            raise ConfigError("fedetf: the pers_* settings must be >= 0")
-        prior_counts([1], p.absent_count)  # validate
         self.phases = ("personalize",) if p.pers_rounds > 0 else ()
         self.sent = sorted(k for k in self.net.state_dict() if k != "head.M")
         self._pnet = None  # client-side model for personalization (its M changes)
@@ -134,7 +135,7 @@ class FedETF(Method):
     def new_model(self) -> Model:
         s = self.spec
         base = super().new_model()
-        d = self.p.proj_dim or s.num_classes
+        d = s.num_classes if self.p.proj_dim is None else self.p.proj_dim
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(derive_seed(s.seed, _PROJ_SEED))
             backbone = ProjectedBackbone(base.backbone, base.feature_dim, d)

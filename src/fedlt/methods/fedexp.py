@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..core import Predictor, load_weights, weighted_average
 from ..core.server_opt import ParamKeys, server_step, sq_norm
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -50,20 +50,10 @@ class FedExP(ParamKeys, FedAvg):
 
     @dataclass
     class Params:
-        eps: float = 1e-3
-        eps_mode: str = "paper"  # paper: ||Delta||^2 + eps; official: ||Delta||^2 + M * eps
-        weighting: str = "samples"  # samples (official code) | uniform (the paper's 1/M)
-        eval_average_last_two: bool = True  # the paper's evaluation model (w_t + w_{t-1}) / 2
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        p = self.p
-        if p.eps_mode not in EPS_MODES:
-            raise ConfigError(f"fedexp: eps_mode must be one of {', '.join(EPS_MODES)}, got {p.eps_mode!r}")
-        if p.weighting not in WEIGHTINGS:
-            raise ConfigError(f"fedexp: weighting must be one of {', '.join(WEIGHTINGS)}, got {p.weighting!r}")
-        if not p.eps >= 0:
-            raise ConfigError(f"fedexp: eps must be >= 0, got {p.eps}")
+        eps: float = setting(1e-3, "epsilon of the step-size denominator", low=0)
+        eps_mode: str = setting("paper", "paper: ||Delta||^2 + eps; official: ||Delta||^2 + M * eps", choices=EPS_MODES)
+        weighting: str = setting("samples", "samples (official code) | uniform (the paper's 1/M)", choices=WEIGHTINGS)
+        eval_average_last_two: bool = setting(True, "the paper's evaluation model (w_t + w_{t-1}) / 2")
 
     def init_server(self) -> dict:
         st = super().init_server()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..core.losses import focal_loss
 from ..core.priors import CountLoss
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -29,12 +29,7 @@ class FedFocal(CountLoss, FedAvg):
 
     @dataclass
     class Params:
-        gamma: float = 2.0  # focusing parameter (0: cross-entropy)
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if self.p.gamma < 0:
-            raise ConfigError(f"fedfocal: gamma must be >= 0, got {self.p.gamma}; the default is --set gamma=2")
+        gamma: float = setting(2.0, "focusing parameter (0: cross-entropy)", low=0)
 
     def local_loss(self, logits, y, counts):
         return focal_loss(logits, y, self.p.gamma)

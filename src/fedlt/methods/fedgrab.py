@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, load_weights, make_optimizer, train_local, weights_of
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -103,18 +103,11 @@ class FedGraB(FedAvg):
 
     @dataclass
     class Params:
-        dpa: str = "off"  # off: every class is tail (released code) | norm: our reading of the paper's DPA
-        dpa_round: int = 1  # the DPA runs after this round (before it no controller is on)
-        dpa_threshold: float = 1.0  # tail: estimated prior below dpa_threshold / C
-        train_head: bool = True  # false: the classifier is not trained locally (the released code)
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        p = self.p
-        if p.dpa not in ("norm", "off"):
-            raise ConfigError(f"fedgrab: dpa must be norm or off, got {p.dpa!r}")
-        if p.dpa_round < 0 or not p.dpa_threshold > 0:
-            raise ConfigError("fedgrab: dpa_round must be >= 0 and dpa_threshold > 0")
+        dpa: str = setting("off", "off: every class is tail (released code) | norm: our reading of the paper's DPA",
+                           choices=("off", "norm"))
+        dpa_round: int = setting(1, "the DPA runs after this round (before it no controller is on)", low=0)
+        dpa_threshold: float = setting(1.0, "tail: estimated prior below dpa_threshold / C", low=0, low_open=True)
+        train_head: bool = setting(True, "false: the classifier is not trained locally (the released code)")
 
     # ------------------------------------------------------------------ server: FedAvg + DPA
     def init_server(self) -> dict:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..core import derive_seed, load_weights, weighted_average, weights_of
 from ..core.auxiliary import auxiliary_set
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -67,21 +67,17 @@ class FedIC(FedAvg):
 
     @dataclass
     class Params:
-        aux_per_class: int = 100  # labelled server samples per class
-        steps: int = 100  # Adam steps of each of the three server stages, every round
-        lr: float = 0.001
-        weight_decay: float = 2e-4  # of the two models' Adam (not the highway's)
-        T: float = 2.0  # distillation temperature
-        ld: float = 0.5  # weight of the distillation term (1 - ld: CE on labelled aux data)
-        batch_labeled: int = 20
-        batch_distill: int = 128
+        aux_per_class: int = setting(100, "labelled server samples per class", low=1)
+        steps: int = setting(100, "Adam steps of each of the three server stages, every round", low=0)
+        lr: float = setting(0.001, "the server stages' Adam lr", low=0, low_open=True)
+        weight_decay: float = setting(2e-4, "of the two models' Adam (not the highway's)", low=0)
+        T: float = setting(2.0, "distillation temperature", low=0, low_open=True)
+        ld: float = setting(0.5, "weight of the distillation term (1 - ld: CE on labelled aux data)", low=0, high=1)
+        batch_labeled: int = setting(20, "batch size on the labelled auxiliary data", low=1)
+        batch_distill: int = setting(128, "batch size of the distillation", low=1)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
-        p = self.p
-        if min(p.aux_per_class, p.batch_labeled, p.batch_distill) < 1 or p.steps < 0 or not p.lr > 0 \
-                or not p.T > 0 or not 0 <= p.ld <= 1 or p.weight_decay < 0:
-            raise ConfigError("fedic: aux_per_class, batch sizes >= 1, steps >= 0, lr > 0, T > 0, 0 <= ld <= 1")
         self._aux = None
         self._ens: list = []
 

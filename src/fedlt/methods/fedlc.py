@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.priors import CountLoss, prior_counts
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -57,19 +57,11 @@ class FedLC(CountLoss, FedAvg):
 
     @dataclass
     class Params:
-        tau: float = 1.0  # calibration strength
-        loss: str = "ce"  # "ce": CE on z' (FL-bench, PFLlib); "paper": true class left out (diverges)
-        absent_count: float = 1e-8  # count given to classes the client lacks (offset tau * absent^(-1/4))
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        p = self.p
-        if p.loss not in LOSSES:
-            raise ConfigError(f"fedlc: unknown loss {p.loss!r}; choose one of: {', '.join(LOSSES)}")
-        if p.tau < 0:
-            raise ConfigError(f"fedlc: tau must be >= 0, got {p.tau}")
-        if p.absent_count <= 0:
-            raise ConfigError(f"fedlc: absent_count must be > 0 (n^(-1/4) of 0 is infinite), got {p.absent_count}")
+        tau: float = setting(1.0, "calibration strength", low=0)
+        loss: str = setting("ce", '"ce": CE on z\' (FL-bench, PFLlib); "paper": true class left out (diverges)',
+                            choices=LOSSES)
+        absent_count: float = setting(1e-8, "count given to classes the client lacks (offset tau * absent^(-1/4); "
+                                            "n^(-1/4) of 0 is infinite)", low=0, low_open=True)
 
     def local_loss(self, logits, y, counts):
         return fedlc_loss(logits, y, counts, self.p.tau, self.p.absent_count, self.p.loss)

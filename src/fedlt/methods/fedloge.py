@@ -67,7 +67,7 @@ phi_k^(0)                  unspecified                                  an indep
 =========================  ===========================================  ============================================
 
 Ablations (Table 3, App. A.10): ``fixed`` = sse-c | etf | xavier | gaussian | uniform | orthogonal |
-kaiming_uniform; ``beta`` (sparsity; < 0 = the kind's default: 0.6 for sse-c, 0 for the rest); ``refine``
+kaiming_uniform; ``beta`` (sparsity; None = the kind's default: 0.6 for sse-c, 0 for the rest); ``refine``
 (auto: run the SSE-C geometry optimisation when sparse, i.e. Table 9's "Sparse X"); ``ga_fr`` / ``la_fr`` on/off.
 Since GA-FR and LA-FR (without fine-tuning) do not change training, one run gives every Table 3 row of its
 fixed classifier: GM universal vs generic is "GA-FR off/on", PM phi+psi vs personalized is "LA-FR off/on".
@@ -84,7 +84,7 @@ from ..core import LocalSteps, Message, Meter, Method, Predictor, Train, derive_
 from ..core.etf import KINDS, cached_fixed_classifier, etf_report
 from ..core.losses import linear_heads_ce, masked_logits
 from ..core.personal import personal_net
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 
 PHI_INIT, FIXED_BIAS = 0xF10, 0xF11  # seed streams (with the run seed, and the client id for phi_k^(0))
@@ -119,48 +119,45 @@ class FedLoGe(Method):
     @dataclass
     class Params:
         # stage 1: the frozen classifier (fedlt.core.etf)
-        fixed: str = "sse-c"  # sse-c | etf | xavier | gaussian | uniform | orthogonal | kaiming_uniform
-        beta: float = -1.0  # sparsity; < 0: the kind's default (0.6 for sse-c, 0 = dense for the others)
-        refine: str = "auto"  # SSE-C geometry loss on the surviving entries: auto (sse-c or sparse) | true | false
-        gamma: float = -1.0  # norm target; < 0: the variant's (paper 1.0, official 0.1 = the code's "tau")
-        sse_variant: str = "paper"  # paper | official (gamma 0.1, U[0,1) basis, floor rounding)
-        sse_steps: int = 10_000  # Adam steps of the SSE-C construction (official: 10,000)
-        sse_lr: float = 1e-4  # its learning rate (official: 1e-4)
-        fixed_bias: bool = False  # official code: a frozen random bias U(-1/sqrt(d), 1/sqrt(d)) on the SSE-C
-        send_fixed: bool = False  # ship the matrix once per client instead of deriving it from the seed
+        fixed: str = setting("sse-c", "the frozen classifier's kind (Table 3's ablation)", choices=KINDS)
+        beta: float | None = setting(None, "sparsity", low=0, high=1, high_open=True, old_none="< 0",
+                                     none_means="the kind's default (0.6 for sse-c, 0 = dense for the others)")
+        refine: str = setting("auto", "SSE-C geometry loss on the surviving entries: auto (sse-c or sparse) | true | "
+                                      "false", choices=("auto", "true", "false"))
+        gamma: float | None = setting(None, "norm target", low=0, old_none="< 0",
+                                      none_means="the variant's (paper 1.0, official 0.1 = the code's \"tau\")")
+        sse_variant: str = setting("paper", "paper | official (gamma 0.1, U[0,1) basis, floor rounding)",
+                                   choices=("paper", "official"))
+        sse_steps: int = setting(10_000, "Adam steps of the SSE-C construction (official: 10,000)", low=0)
+        sse_lr: float = setting(1e-4, "its learning rate (official: 1e-4)", low=0, low_open=True)
+        fixed_bias: bool = setting(False, "official code: a frozen random bias U(-1/sqrt(d), 1/sqrt(d)) on the SSE-C")
+        send_fixed: bool = setting(False, "ship the matrix once per client instead of deriving it from the seed")
         # stage 1: optimisers (backbone: the run's lr/momentum; re-created every round, like the official code)
-        head_lr: float = -1.0  # psi and phi_k; < 0: the run's lr (official: the same lr for all three)
-        head_momentum: float = -1.0  # < 0: the run's momentum
-        persist_phi_momentum: bool = False  # keep phi_k's SGD momentum in the client state across rounds
+        head_lr: float | None = setting(None, "lr of psi and phi_k (official: the same lr for all three)", low=0,
+                                        low_open=True, none_means="the round's lr", old_none="< 0")
+        head_momentum: float | None = setting(None, "momentum of psi and phi_k", low=0, high=1, high_open=True,
+                                              none_means="the run's momentum", old_none="< 0")
+        persist_phi_momentum: bool = setting(False, "keep phi_k's SGD momentum in the client state across rounds")
         # stages 2-3: realignment
-        ga_fr: bool = True
-        la_fr: bool = True
-        realign: str = "paper"  # paper (Eq. 6-7, no bias) | official (GA-FR norm 1.7 + bias, LA-FR on raw psi + bias)
-        gafr_norm: float = -1.0  # GA-FR target norm; < 0: the variant's (paper 1.0, official 1.7)
-        pm_logits: str = "sum"  # sum: phi_k(h) + realigned(h) (official) | realigned: the realigned head alone (Alg. 1)
-        mask_absent: bool = True  # personal logits of classes absent from the client's training data -> -inf
-        finetune_epochs: int = 0  # CE epochs on the realigned head after LA-FR (Alg. 1 line 12; official 0)
-        preview: bool = True  # per-round evaluations also report GA-FR / LA-FR of the current heads
+        ga_fr: bool = setting(True, "the GA-FR phase (Eq. 6): the generic head")
+        la_fr: bool = setting(True, "the LA-FR phase (Eq. 7): the personalized heads")
+        realign: str = setting("paper", "paper (Eq. 6-7, no bias) | official (GA-FR norm 1.7 + bias, LA-FR on raw psi "
+                                        "+ bias)", choices=("paper", "official"))
+        gafr_norm: float | None = setting(None, "GA-FR target norm", low=0, low_open=True, old_none="<= 0",
+                                          none_means="the variant's (paper 1.0, official 1.7)")
+        pm_logits: str = setting("sum", "sum: phi_k(h) + realigned(h) (official) | realigned: the realigned head alone "
+                                        "(Alg. 1)", choices=("sum", "realigned"))
+        mask_absent: bool = setting(True, "personal logits of classes absent from the client's training data -> -inf")
+        finetune_epochs: int = setting(0, "CE epochs on the realigned head after LA-FR (Alg. 1 line 12; official 0)",
+                                       low=0)
+        preview: bool = setting(True, "per-round evaluations also report GA-FR / LA-FR of the current heads")
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         p = self.p
-        choices = {"fixed": KINDS, "refine": ("auto", "true", "false"), "sse_variant": ("paper", "official"),
-                   "realign": ("paper", "official"), "pm_logits": ("sum", "realigned")}
-        for key, allowed in choices.items():
-            if getattr(p, key) not in allowed:
-                raise ConfigError(f"fedloge: {key}={getattr(p, key)!r} is not one of {', '.join(allowed)}")
-        if p.beta >= 1:
-            raise ConfigError(f"fedloge: beta must be in [0, 1) (or < 0 for the default), got {p.beta:g}")
-        if p.finetune_epochs < 0 or p.sse_steps < 0:
-            raise ConfigError("fedloge: finetune_epochs and sse_steps must be >= 0")
-        if not (p.head_momentum < 1):
-            raise ConfigError(f"fedloge: head_momentum must be < 1, got {p.head_momentum:g}")
-        if p.head_lr == 0 or p.sse_lr <= 0:
-            raise ConfigError("fedloge: head_lr and sse_lr must be > 0 (head_lr < 0: the run's lr)")
         self.phases = tuple(name for name, on in (("ga-fr", p.ga_fr), ("la-fr", p.la_fr)) if on)
         official = p.realign == "official"
-        self.gafr_norm = p.gafr_norm if p.gafr_norm > 0 else (1.7 if official else 1.0)
+        self.gafr_norm = p.gafr_norm if p.gafr_norm is not None else (1.7 if official else 1.0)
         self.keep_bias = official  # the official code keeps b_psi in both realigned heads
         self.lafr_normalize = not official
         self._fixed: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -173,15 +170,14 @@ class FedLoGe(Method):
     def fixed_spec(self) -> tuple[str, float | None, dict]:
         """(kind, beta, options) for ``fedlt.core.etf``: everything that determines the fixed matrix."""
         p = self.p
-        beta = None if p.beta < 0 else p.beta
-        sparse = (p.fixed == "sse-c") if beta is None else beta > 0
+        sparse = (p.fixed == "sse-c") if p.beta is None else p.beta > 0
         refine = {"auto": p.fixed == "sse-c" or sparse, "true": True, "false": False}[p.refine]
         opts: dict = {"variant": p.sse_variant, "refine": refine}
         if refine:
             opts.update(steps=p.sse_steps, lr=p.sse_lr)
-            if p.gamma >= 0:
+            if p.gamma is not None:
                 opts["gamma"] = p.gamma
-        return p.fixed, beta, opts
+        return p.fixed, p.beta, opts
 
     def fixed_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W [C, d], b [C]) of the frozen classifier, derived from the run seed (built once, cached on disk)."""
@@ -244,8 +240,8 @@ class FedLoGe(Method):
         """The heads' lr and momentum: head_lr / head_momentum, else the round's lr (the payload's) and the run's
         momentum."""
         p = self.p
-        return (p.head_lr if p.head_lr > 0 else self.round_lr(payload)), \
-            (p.head_momentum if p.head_momentum >= 0 else self.spec.momentum)
+        return (self.round_lr(payload) if p.head_lr is None else p.head_lr), \
+            (self.spec.momentum if p.head_momentum is None else p.head_momentum)
 
     def local_steps(self, payload, cstate, data):
         """Stage 1 on the client: theta through the frozen SSE-C, psi and phi_k on detached features, each with its

@@ -37,7 +37,7 @@ from ..core import Message, Predictor, derive_seed, load_weights, train_local, w
 from ..core.etf import init_classifier
 from ..core.personal import personal_predictor
 from ..core.retrain import local_features
-from ..errors import ConfigError
+from ..decl import setting
 from ..models import Model
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -78,21 +78,11 @@ class FedNH(FedAvg):
 
     @dataclass
     class Params:
-        rho: float = 0.9  # smoothing of the prototype update (official FedNH_smoothing)
-        init: str = "orthogonal"  # orthogonal (official) | etf
-        scale: float = 20.0  # initial s
-        fix_scale: bool = False  # official FedNH_fix_scaling: s fixed at 30
-        weighting: str = "samples"  # samples (n_k) | uniform (official)
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        p = self.p
-        if not 0 <= p.rho <= 1:
-            raise ConfigError(f"fednh: rho must be in [0, 1], got {p.rho}")
-        if p.init not in ("orthogonal", "etf") or p.weighting not in ("samples", "uniform"):
-            raise ConfigError("fednh: init must be orthogonal or etf and weighting samples or uniform")
-        if not p.scale > 0:
-            raise ConfigError(f"fednh: scale must be > 0, got {p.scale}")
+        rho: float = setting(0.9, "smoothing of the prototype update (official FedNH_smoothing)", low=0, high=1)
+        init: str = setting("orthogonal", "orthogonal (official) | etf", choices=("orthogonal", "etf"))
+        scale: float = setting(20.0, "initial s", low=0, low_open=True)
+        fix_scale: bool = setting(False, "official FedNH_fix_scaling: s fixed at 30")
+        weighting: str = setting("samples", "samples (n_k) | uniform (official)", choices=("samples", "uniform"))
 
     def new_model(self) -> Model:
         base = super().new_model()

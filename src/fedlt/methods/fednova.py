@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from ..core import Message, load_weights, train_local, weighted_average, weights_of
 from ..core.server_opt import ParamKeys, server_step
 from ..core.training import effective_steps
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -42,7 +43,7 @@ class FedNova(ParamKeys, FedAvg):
 
     @dataclass
     class Params:
-        normalize_momentum: bool = True  # ||a_i||_1 counts local momentum (paper, official); false: tau_i
+        normalize_momentum: bool = setting(True, "||a_i||_1 counts local momentum (paper, official); false: tau_i")
 
     def local_train(self, payload, cstate, data, gen):
         net = self.net

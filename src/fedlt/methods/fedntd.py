@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import LocalSteps, strip
+from ..decl import setting
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -54,15 +55,11 @@ class FedNTD(FedAvg):
 
     @dataclass
     class Params:
-        tau: float = 1.0  # distillation temperature
-        beta: float = 1.0  # weight of the not-true distillation term
+        tau: float = setting(1.0, "distillation temperature", low=0, low_open=True)
+        beta: float = setting(1.0, "weight of the not-true distillation term", low=0)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
-        if not self.p.tau > 0:
-            raise ConfigError(f"fedntd: tau must be > 0, got {self.p.tau}")
-        if not self.p.beta >= 0:
-            raise ConfigError(f"fedntd: beta must be >= 0, got {self.p.beta}")
         if spec.num_classes < 2:
             raise ConfigError("fedntd needs at least 2 classes (the not-true logits would be empty)")
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..core import LocalSteps, strip
 from ..core.proximal import proximity
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -21,7 +22,7 @@ class FedProx(FedAvg):
 
     @dataclass
     class Params:
-        mu: float = 0.01  # proximal coefficient (the paper tunes mu in {0.001, 0.01, 0.1, 1})
+        mu: float = setting(0.01, "proximal coefficient (the paper tunes mu in {0.001, 0.01, 0.1, 1})", low=0)
 
     def local_steps(self, payload, cstate, data):
         anchor = {f"anchor.{n}": payload.arrays[n] for n, _ in self.net.named_parameters()}  # w_global

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Trained, load_weights, train_local, weights_of
+from ..decl import setting
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedper import FedPer
@@ -44,13 +45,13 @@ class FedRep(FedPer):
 
     @dataclass
     class Params:
-        head_epochs: int = 10  # local_ep - local_rep_ep in the official scripts
-        body_epochs: int = 1  # local_rep_ep
+        head_epochs: int = setting(10, "local_ep - local_rep_ep in the official scripts", low=0)
+        body_epochs: int = setting(1, "local_rep_ep", low=0)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
-        if self.p.head_epochs < 0 or self.p.body_epochs < 0 or self.p.head_epochs + self.p.body_epochs == 0:
-            raise ConfigError("fedrep: head_epochs and body_epochs must be >= 0 and not both 0")
+        if self.p.head_epochs + self.p.body_epochs == 0:
+            raise ConfigError("fedrep: head_epochs and body_epochs must not both be 0")
 
     def local_train(self, payload, cstate, data, gen):
         """FedRep's own loop (two phases with different trained parts), answered like the other sharing methods."""

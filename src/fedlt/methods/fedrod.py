@@ -32,6 +32,7 @@ from ..core import LocalSteps, Message, Predictor, Train, load_weights
 from ..core.losses import balanced_softmax_loss
 from ..core.personal import initial_weights, personal_net
 from ..models import head_keys
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -43,8 +44,8 @@ class FedRoD(FedAvg):
 
     @dataclass
     class Params:
-        detach: bool = True  # false: the personal loss also trains the body (FL-bench)
-        sum_logits: bool = True  # false: personalized logits are p_k(h) alone (FL-bench)
+        detach: bool = setting(True, "false: the personal loss also trains the body (FL-bench)")
+        sum_logits: bool = setting(True, "false: personalized logits are p_k(h) alone (FL-bench)")
 
     def init_client(self, cid, data):
         return {"phead": {k.removeprefix("head."): v for k, v in initial_weights(self, head_keys(self.net)).items()}}

@@ -26,7 +26,7 @@ Inference: the global model's plain logits (no adjustment). No personal model. C
 floats each way.
 
 Defaults (official scripts, as LongTailLib's port records them): lambda 4, T 1.5, tau 1.5, gamma 0.1, warmup 50
-rounds; local SGD without momentum (``momentum`` < 0: none, the official optimiser; >= 0 sets one).
+rounds; local SGD without momentum (``momentum`` None: none, the official optimiser; a number sets one).
 Differences from the official code (read through LongTailLib's port):
 - The official round has two exchanges: the dispersion statistics under the current model are gathered, the
   prior formed and sent, then local training starts. One exchange per round here: the prior a client uses is one
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, load_weights, make_optimizer, train_local, weighted_average, weights_of
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -127,18 +127,13 @@ class FedYoYo(FedAvg):
 
     @dataclass
     class Params:
-        lam: float = 4.0  # weight of the self-distillation (official lamda)
-        T: float = 1.5  # distillation temperature
-        tau: float = 1.5  # logit-adjustment exponent
-        gamma: float = 0.1  # per-batch blend of the prior towards the local distribution
-        warmup: int = 50  # rounds over which the distillation weight ramps up
-        momentum: float = -1.0  # local SGD momentum; < 0: none (the official optimiser)
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        p = self.p
-        if p.lam < 0 or not p.T > 0 or p.tau < 0 or not 0 <= p.gamma <= 1 or p.warmup < 1 or p.momentum >= 1:
-            raise ConfigError("fedyoyo: need lam >= 0, T > 0, tau >= 0, 0 <= gamma <= 1, warmup >= 1, momentum < 1")
+        lam: float = setting(4.0, "weight of the self-distillation (official lamda)", low=0)
+        T: float = setting(1.5, "distillation temperature", low=0, low_open=True)
+        tau: float = setting(1.5, "logit-adjustment exponent", low=0)
+        gamma: float = setting(0.1, "per-batch blend of the prior towards the local distribution", low=0, high=1)
+        warmup: int = setting(50, "rounds over which the distillation weight ramps up", low=1)
+        momentum: float | None = setting(None, "local SGD momentum", low=0, high=1, high_open=True, old_none="< 0",
+                                         none_means="none (the official optimiser)")
 
     # ------------------------------------------------------------------ server
     def init_server(self) -> dict:
@@ -181,7 +176,7 @@ class FedYoYo(FedAvg):
         q = q / q.sum()
         prior = payload.arrays["yoyo.prior"].to(s.device).float()
         ramp = min(payload.meta["round"] / p.warmup, 1.0)
-        opt = make_optimizer(net.parameters(), s, lr=payload.lr, momentum=0.0 if p.momentum < 0 else p.momentum)
+        opt = make_optimizer(net.parameters(), s, lr=payload.lr, momentum=0.0 if p.momentum is None else p.momentum)
         ce_sum = torch.zeros((), device=s.device)
 
         def loss_fn(model, x, y):

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..core import Message, derive_seed, load_weights, train_local, weights_of
 from ..core.personal import initial_weights
-from ..errors import ConfigError
+from ..decl import setting
 from ..models import Model
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -70,18 +70,14 @@ class MOON(FedAvg):
 
     @dataclass
     class Params:
-        mu: float = 5.0  # weight of the model-contrastive loss
-        tau: float = 0.5  # temperature
-        projection: str = "mlp"  # mlp (paper, official: 2-layer projection head) | none (PFLlib / LongTailLib)
-        out_dim: int = 256  # output dimension of the projection head
+        mu: float = setting(5.0, "weight of the model-contrastive loss", low=0)
+        tau: float = setting(0.5, "temperature", low=0, low_open=True)
+        projection: str = setting("mlp", "mlp (paper, official: 2-layer projection head) | none (PFLlib / "
+                                         "LongTailLib)", choices=("mlp", "none"))
+        out_dim: int = setting(256, "output dimension of the projection head", low=1)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
-        p = self.p
-        if p.projection not in ("mlp", "none"):
-            raise ConfigError(f"moon: projection must be mlp or none, got {p.projection!r}")
-        if not p.tau > 0 or p.mu < 0 or p.out_dim < 1:
-            raise ConfigError("moon: tau must be > 0, mu >= 0 and out_dim >= 1")
         self._teachers: list[Model] | None = None
 
     def new_model(self) -> Model:

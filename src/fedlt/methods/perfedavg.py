@@ -16,7 +16,7 @@ training data (the gradient of its whole local loss, so it needs no random draw)
 No official code exists. Step sizes: FL-bench uses alpha = its local lr (0.01) and beta = 1e-3, PFLlib
 alpha = beta = the local lr, the FedBABU repository alpha = its lr 0.1 and beta = 0.1 with momentum 0.9. The
 paper's values could not be checked. Defaults here: beta, the outer optimiser's lr, is the run's lr (``beta``
-0), the protocol's rule for every optimiser; alpha is FL-bench's 0.01. The inner step must stay small against
+None), the protocol's rule for every optimiser; alpha is FL-bench's 0.01. The inner step must stay small against
 the curvature: the meta-gradient grad f(theta - alpha grad f) grows like (1 - alpha lambda) along a direction
 of curvature lambda, and with alpha = the run's lr 0.05 fmnist-lt diverged (NaN loss from round 6), while
 alpha = 0.01 learns (GM 58 %, PM 86 % after 6 rounds). The Hessian-free correction (I - alpha H) is the more
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..core import Meter, Message, Predictor, load_weights, make_optimizer, weights_of
 from ..core.personal import personal_net
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -73,28 +73,25 @@ class PerFedAvg(FedAvg):
 
     @dataclass
     class Params:
-        variant: str = "fo"  # fo (first-order) | hf (Hessian-free)
-        alpha: float = 0.01  # inner / personalization step size (FL-bench's)
-        beta: float = 0.0  # outer (meta) step size; 0: the run's lr
-        delta: float = 1e-3  # finite-difference step of the Hessian-free variant
-        personal_steps: int = 1  # gradient steps of size alpha that personalize theta
+        variant: str = setting("fo", "fo (first-order) | hf (Hessian-free)", choices=("fo", "hf"))
+        alpha: float = setting(0.01, "inner / personalization step size (FL-bench's)", low=0, low_open=True)
+        beta: float | None = setting(None, "outer (meta) step size", low=0, low_open=True, old_none="== 0",
+                                     none_means="the round's lr (which follows --lr-schedule)")
+        delta: float = setting(1e-3, "finite-difference step of the Hessian-free variant", low=0, low_open=True)
+        personal_steps: int = setting(1, "gradient steps of size alpha that personalize theta", low=0)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         p = self.p
-        if p.variant not in ("fo", "hf"):
-            raise ConfigError(f"perfedavg: variant must be fo or hf, got {p.variant!r}")
-        if p.alpha <= 0 or p.beta < 0 or p.delta <= 0 or p.personal_steps < 0:
-            raise ConfigError("perfedavg: alpha and delta must be > 0, beta and personal_steps >= 0")
         self.alpha = p.alpha
-        self.beta = p.beta  # the outer step; 0: the round's lr (which follows --lr-schedule)
+        self.beta = p.beta  # the outer step; None: the round's lr
 
     def local_train(self, payload, cstate, data, gen):
         net, spec = self.net, self.spec
         load_weights(net, payload.arrays)
         net.train()
         params = [p for p in net.parameters() if p.requires_grad]
-        opt = make_optimizer(params, spec, lr=self.beta or payload.lr)
+        opt = make_optimizer(params, spec, lr=payload.lr if self.beta is None else self.beta)
         parts = 3 if self.p.variant == "hf" else 2
         meter = Meter()
         for x, y in data.batches(parts * spec.batch_size, gen, epochs=spec.local_epochs):

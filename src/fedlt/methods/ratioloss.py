@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ..core import Message, Method, derive_seed, load_weights, train_local, weighted_average, weights_of
 from ..core.auxiliary import auxiliary_set
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 
 MONITOR = 122  # seed purpose (121 is the auxiliary set's draw, core.auxiliary)
@@ -82,17 +82,16 @@ class RatioLoss(Method):
 
     @dataclass
     class Params:
-        aux_per_class: int = 32  # size of the server's auxiliary set per class
-        alpha0: float = 1.0
-        beta: float = 0.1
-        outlier_threshold: float = 0.8
-        ratio_cap: float = 5000.0
-        uniform_average: bool = False  # official code: unweighted mean of the client models
+        aux_per_class: int = setting(32, "size of the server's auxiliary set per class", low=1)
+        alpha0: float = setting(1.0, "alpha_c = alpha0 + beta * R_c (step 4)")
+        beta: float = setting(0.1, "the ratio's weight in alpha_c (step 4)")
+        outlier_threshold: float = setting(0.8, "ownership of a weight entry: no other monitor above this fraction "
+                                                "of its change (step 2)")
+        ratio_cap: float = setting(5000.0, "R_c is capped at this (step 3)", low=0, low_open=True)
+        uniform_average: bool = setting(False, "official code: unweighted mean of the client models")
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
-        if self.p.aux_per_class < 1:
-            raise ConfigError(f"ratioloss.aux_per_class must be >= 1, got {self.p.aux_per_class}")
         self._aux = None
 
     def aux_by_class(self):

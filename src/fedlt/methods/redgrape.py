@@ -58,7 +58,7 @@ from ..core.classgrad import head_ce_grads, mean_class_grads, pack_class_grads, 
 from ..core.proximal import proximal_term
 from ..core.retrain import local_features
 from ..core.sampling import per_class_subset
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 
 SUP_INIT = 101  # seed purpose: the supplementary classifier's initialisation
@@ -71,19 +71,16 @@ class RedGrape(Method):
 
     @dataclass
     class Params:
-        lam: float = 0.1  # re-balancing strength lambda (paper: 0.1 in all experiments)
-        T: int = 8  # samples per class in the local balanced set, and the threshold to count as held
-        rebalance_step: str = "joint"  # joint: Eq. 13 through the optimiser (paper); separate: official code
-        prox_mu: float = 0.0  # FedProx term; the official code silently uses 0.1
-        clip_grad_norm: float = 0.0  # 0 = off; the official code clips to 1.0
+        lam: float = setting(0.1, "re-balancing strength lambda (paper: 0.1 in all experiments)", low=0)
+        T: int = setting(8, "samples per class in the local balanced set, and the threshold to count as held", low=1)
+        rebalance_step: str = setting("joint", "joint: Eq. 13 through the optimiser (paper); separate: official code",
+                                      choices=("joint", "separate"))
+        prox_mu: float = setting(0.0, "FedProx term; the official code silently uses 0.1", low=0)
+        clip_grad_norm: float | None = setting(None, "gradient-norm clipping (the official code clips to 1.0)", low=0,
+                                               low_open=True, none_means="off", old_none="== 0")
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
-        p = self.p
-        if p.rebalance_step not in ("joint", "separate"):
-            raise ConfigError(f"redgrape.rebalance_step must be joint or separate, got {p.rebalance_step!r}")
-        if p.T < 1 or p.lam < 0 or p.prox_mu < 0 or p.clip_grad_norm < 0:
-            raise ConfigError("redgrape: T must be >= 1 and lam, prox_mu, clip_grad_norm >= 0")
         self._sup: nn.Linear | None = None
 
     # ------------------------------------------------------------------ the supplementary classifier
@@ -167,7 +164,7 @@ class RedGrape(Method):
                 if p.rebalance_step == "joint":
                     for P, g in corrections:
                         P.grad.add_(g)
-            if p.clip_grad_norm > 0:
+            if p.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, p.clip_grad_norm)
             opt.step()
             if p.rebalance_step == "separate":

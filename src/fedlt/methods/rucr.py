@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ..core import Message, ce_loss, load_weights, train_local, weighted_average, weights_of
 from ..core.retrain import local_features, retrain_head, retrained_head_modes
+from ..decl import setting
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -90,23 +91,20 @@ class RUCR(FedAvg):
 
     @dataclass
     class Params:
-        lam: float = 0.15  # weight of the prototype term (official feat_loss_arg)
-        t: float = 1.0  # its temperature
-        kappa: float = 1.0  # scale of the log global ratio (official times_arg)
-        crt_feat_num: int = 100  # mixed-up features per class
-        crt_epochs: int = 50  # official local_bal_ep
-        crt_lr: float = 0.01  # official lr_cls_balance (SGD, no momentum)
-        crt_batch_size: int = 256
-        left: float = 0.35  # lam ~ U(left, right) (official uniform_left / uniform_right)
-        right: float = 0.95
+        lam: float = setting(0.15, "weight of the prototype term (official feat_loss_arg)", low=0)
+        t: float = setting(1.0, "its temperature", low=0, low_open=True)
+        kappa: float = setting(1.0, "scale of the log global ratio (official times_arg)")
+        crt_feat_num: int = setting(100, "mixed-up features per class", low=1)
+        crt_epochs: int = setting(50, "official local_bal_ep", low=0)
+        crt_lr: float = setting(0.01, "official lr_cls_balance (SGD, no momentum)", low=0, low_open=True)
+        crt_batch_size: int = setting(256, "batch size of the classifier re-training", low=1)
+        left: float = setting(0.35, "lam ~ U(left, right) (official uniform_left / uniform_right)", low=0, high=1)
+        right: float = setting(0.95, "the upper end of that uniform, >= left", low=0, high=1)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
-        p = self.p
-        if p.lam < 0 or not p.t > 0 or p.crt_feat_num < 1 or p.crt_epochs < 0 or not p.crt_lr > 0 \
-                or p.crt_batch_size < 1 or not 0 <= p.left <= p.right <= 1:
-            raise ConfigError("rucr: need lam >= 0, t > 0, crt_feat_num >= 1, crt_epochs >= 0, crt_lr > 0, "
-                              "crt_batch_size >= 1 and 0 <= left <= right <= 1")
+        if self.p.left > self.p.right:
+            raise ConfigError(f"rucr: left {self.p.left:g} must be <= right {self.p.right:g}")
 
     # ------------------------------------------------------------------ training
     def configure(self, state, rnd, cid):

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ..core import Message, Meter, load_weights, train_local, weighted_average, weights_of
 from ..core.server_opt import ParamKeys, pseudo_gradient, server_step
 from ..core.training import effective_steps
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
 
@@ -53,20 +53,12 @@ class Scaffold(ParamKeys, FedAvg):
 
     @dataclass
     class Params:
-        server_lr: float = 1.0  # eta_g
-        option: str = "II"  # "I": c_i+ = full local gradient at x; "II": from the model change
-        momentum_corrected: bool = True  # option II divides by K' (local momentum), = K without momentum
-        weighting: str = "uniform"  # aggregation of the y_i: uniform (paper) | samples (n_i weights)
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        p = self.p
-        if p.option not in ("I", "II"):
-            raise ConfigError(f"scaffold: option must be I or II, got {p.option!r}")
-        if p.weighting not in ("uniform", "samples"):
-            raise ConfigError(f"scaffold: weighting must be uniform or samples, got {p.weighting!r}")
-        if not p.server_lr > 0:
-            raise ConfigError(f"scaffold: server_lr must be > 0, got {p.server_lr}")
+        server_lr: float = setting(1.0, "eta_g, the server's step size", low=0, low_open=True)
+        option: str = setting("II", '"I": c_i+ = full local gradient at x; "II": from the model change',
+                              choices=("I", "II"))
+        momentum_corrected: bool = setting(True, "option II divides by K' (local momentum), = K without momentum")
+        weighting: str = setting("uniform", "aggregation of the y_i: uniform (paper) | samples (n_i weights)",
+                                 choices=("uniform", "samples"))
 
     def _zeros(self, weights) -> dict[str, torch.Tensor]:
         return {k: torch.zeros_like(weights[k]) for k in self.param_keys}

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..core import Message, Predictor, load_weights, make_optimizer, train_local, weights_of
 from ..core.etf import fixed_classifier
+from ..decl import setting
 from ..errors import ConfigError
 from ..models import backbone_keys
 from ..registry import METHODS
@@ -76,20 +77,14 @@ class SphereFed(FedAvg):
 
     @dataclass
     class Params:
-        loss: str = "mse"  # mse (paper, FedDr+ code) | ce
-        scale: float = 1.0  # s: logits = s * cos
-        calibrate: bool = True  # the paper's closed-form classifier calibration after training
-        ridge: float = 0.0  # lam of the calibration least squares
+        loss: str = setting("mse", "mse (paper, FedDr+ code) | ce", choices=("mse", "ce"))
+        scale: float = setting(1.0, "s: logits = s * cos", low=0, low_open=True)
+        calibrate: bool = setting(True, "the paper's closed-form classifier calibration after training")
+        ridge: float = setting(0.0, "lam of the calibration least squares", low=0)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         p = self.p
-        if p.loss not in ("mse", "ce"):
-            raise ConfigError(f"spherefed: loss must be mse or ce, got {p.loss!r}")
-        if not p.scale > 0:
-            raise ConfigError(f"spherefed: scale must be > 0, got {p.scale}")
-        if not p.ridge >= 0:
-            raise ConfigError(f"spherefed: ridge must be >= 0, got {p.ridge}")
         self.phases = (PHASE,) if p.calibrate else ()
         self._W: torch.Tensor | None = None
         self._bkeys: set[str] | None = None
