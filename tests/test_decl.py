@@ -7,11 +7,13 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedlt.config import RunConfig, SETTINGS, load_config
-from fedlt.decl import (ALLOW_LARGE, Setting, add_arguments, byte_size, check, coerce, from_values, help_text,
+from fedlt.decl import (ALLOW_LARGE, Setting, add_arguments, byte_size, check, coerce, from_values,
                         read_old, rows, setting, settings_of)
 from fedlt.errors import ConfigError
 from fedlt.registry import DATASETS
@@ -47,7 +49,8 @@ def test_types_come_from_the_annotations():
     ("rate", "0.5", 0.5), ("rate", 2, 2.0), ("count", "7", 7), ("count", 7.0, 7), ("on", "yes", True),
     ("on", False, False), ("kind", "b", "b"), ("chunk", 4, "4"), ("scale", "none", None), ("scale", None, None),
     ("names", "csv, tensorboard", ("csv", "tensorboard")), ("names", ["csv"], ("csv",)),
-    ("size", "2GB", 2 * 10**9), ("size", "512MiB", 512 * 2**20), ("plain", "5", 5)])
+    ("size", "2GB", 2 * 10**9), ("size", "512MiB", 512 * 2**20), ("plain", "5", 5),
+    ("kind", Path("a"), "a"), ("count", np.int64(7), 7), ("rate", np.float32(0.5), 0.5)])
 def test_values_are_coerced_to_the_declared_type(name, value, want):
     got = coerce(s(name), value)
     assert got == want and type(got) is type(want)

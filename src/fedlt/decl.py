@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import numbers
 import operator
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -236,22 +238,25 @@ def _scalar(kind, v, label):
     if kind is str:
         if isinstance(v, str):
             return v
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if isinstance(v, os.PathLike):  # a folder or file given as a pathlib.Path
+            return os.fspath(v)
+        if isinstance(v, numbers.Real) and not isinstance(v, bool):
             return str(v)
         raise ConfigError(f"{label} expects a str, got {v!r}")
     bad = ConfigError(f"{label} expects a {_kind_name(kind)}, got {v!r}")
-    if isinstance(v, bool):
+    if isinstance(v, bool) or type(v).__name__ == "bool_":
         raise bad
     if isinstance(v, str):
         try:
             return kind(v.strip())
         except ValueError:
             raise bad from None
-    if kind is int and isinstance(v, float):
-        if not v.is_integer():
+    if isinstance(v, numbers.Integral):  # numpy's integers too
+        return kind(int(v))
+    if isinstance(v, numbers.Real):
+        v = float(v)
+        if kind is int and not v.is_integer():
             raise bad
-        return int(v)
-    if isinstance(v, (int, float)):
         return kind(v)
     raise bad
 
