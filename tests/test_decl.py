@@ -206,7 +206,7 @@ def test_every_built_in_method_parameter_is_declared_with_help_and_no_numeric_se
     for name, cls in _methods():
         for pname, x in settings_of(cls.Params).items():
             assert x.declared and x.decl.help, f"{name}.{pname} is not declared with help"
-            assert x.kind in (bool, int, float, str), f"{name}.{pname}: type {x.kind}"
+            assert x.kind in (bool, int, float, str, tuple), f"{name}.{pname}: type {x.kind}"
             if x.default is None:
                 assert x.nullable and x.decl.none_means, f"{name}.{pname}: None without its meaning"
             if isinstance(x.default, (int, float)) and not isinstance(x.default, bool):

@@ -215,7 +215,7 @@ def coerce(s: Setting, value: Any, prefix: str | None = None) -> Any:
     if s.nullable and s.kind in (int, float) and isinstance(value, str) and value.strip().lower() == "none":
         return None
     if s.kind is tuple:
-        items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+        items = [x.strip(" ()[]") for x in value.split(",") if x.strip(" ()[]")] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{label} expects a list (a TOML list, or comma-separated), got {value!r}")
         return tuple(_scalar(s.item, x, label) for x in items)

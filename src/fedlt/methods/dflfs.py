@@ -55,7 +55,7 @@ from ..core import LocalSteps, Message, Method, ce, derive_seed, load_weights, w
 from ..core.personal import personal_net
 from ..core.retrain import (class_gaussians, draw_class_features, local_features, pooled_gaussian, retrain_head,
                             retrained_head_modes)
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 
 MASK, KMEANS, SAMPLE, SHUFFLE, HEAD = 0xDF1, 0xDF2, 0xDF3, 0xDF4, 0xDF5  # seed purposes
@@ -109,19 +109,17 @@ class DFLFS(Method):
 
     @dataclass
     class Params:
-        select: str = "cluster"  # cluster: the masked-statistics clustering | all: plain FedAvg (released code)
-        clusters: int | None = None  # k of the k-means; None: half the round's clients, rounded up
-        mask_ratio: float = 0.5  # share of the feature dimensions a masked statistic keeps
-        per_class: int = 1000  # regenerated features per class (stage 2)
-        epochs: int = 100  # classifier re-training epochs
-        lr: float = 0.01  # its SGD learning rate (no momentum)
-        batch_size: int = 32  # its batch size
-        official_cov: bool = False  # the released code's scalar between-client covariance term
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if self.p.select not in SELECTS:
-            raise ConfigError(f"dfl-fs.select must be one of {', '.join(SELECTS)}, got {self.p.select!r}")
+        select: str = setting("cluster", "cluster: the masked-statistics clustering | all: plain FedAvg (released "
+                                         "code)", choices=SELECTS)
+        clusters: int | None = setting(None, "k of the k-means", low=1,
+                                       none_means="half the round's clients, rounded up")
+        mask_ratio: float = setting(0.5, "share of the feature dimensions a masked statistic keeps", low=0,
+                                    low_open=True, high=1)
+        per_class: int = setting(1000, "regenerated features per class (stage 2)", low=1)
+        epochs: int = setting(100, "classifier re-training epochs", low=0)
+        lr: float = setting(0.01, "its SGD learning rate (no momentum)", low=0, low_open=True)
+        batch_size: int = setting(32, "its batch size", low=1)
+        official_cov: bool = setting(False, "the released code's scalar between-client covariance term")
 
     # ------------------------------------------------------------------ stage 1
     def feature_mask(self, rnd: int) -> torch.Tensor:

@@ -54,7 +54,7 @@ from torch import nn
 from ..core import LocalSteps, Message, Method, derive_seed, load_weights, weighted_average
 from ..core.personal import personal_net
 from ..core.retrain import local_features
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 
 PSEUDO = 0xC4AC  # seed purpose: the pseudo representations of a round
@@ -100,19 +100,16 @@ class FedCRAC(Method):
 
     @dataclass
     class Params:
-        mu: float = 1.0  # scale of the class-similarity margin matrix (official --mu)
-        scale: float = 5.0  # s, the logit scale of the margin softmax (official SoftmaxMargin scale_factor)
-        crt_epochs: int = 300  # calibration steps per round (official --crt_epoch; full batch)
-        crt_lr: float | None = None  # calibration lr; None: the round's local lr (official: --lr)
-        kd_alpha: float = 0.5  # weight of the self-distillation term
-        kd_T: float = 0.5  # its temperature
-        kd_reduction: str = "batchmean"  # batchmean | mean (official F.kl_div default: over batch x classes)
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if self.p.kd_reduction not in REDUCTIONS:
-            raise ConfigError(f"fedcrac.kd_reduction must be one of {', '.join(REDUCTIONS)}, "
-                              f"got {self.p.kd_reduction!r}")
+        mu: float = setting(1.0, "scale of the class-similarity margin matrix (official --mu)", low=0)
+        scale: float = setting(5.0, "s, the logit scale of the margin softmax (official SoftmaxMargin scale_factor)",
+                               low=0, low_open=True)
+        crt_epochs: int = setting(300, "calibration steps per round (official --crt_epoch; full batch)", low=0)
+        crt_lr: float | None = setting(None, "calibration lr", low=0, low_open=True,
+                                       none_means="the round's local lr (official: --lr)")
+        kd_alpha: float = setting(0.5, "weight of the self-distillation term", low=0)
+        kd_T: float = setting(0.5, "its temperature", low=0, low_open=True)
+        kd_reduction: str = setting("batchmean", "batchmean | mean (official F.kl_div default: over batch x classes)",
+                                    choices=REDUCTIONS)
 
     def new_model(self):
         m = super().new_model()

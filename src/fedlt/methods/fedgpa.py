@@ -55,6 +55,7 @@ from torch import nn
 
 from ..core import Message, Method, derive_seed, load_weights, train_local, weights_of
 from ..core.vit import PromptedViT, load_vit
+from ..decl import setting
 from ..errors import ConfigError
 from ..models import Model
 from ..registry import METHODS
@@ -92,14 +93,16 @@ class FedGPA(Method):
 
     @dataclass
     class Params:
-        vit_weights: str = ""  # safetensors file: a ViT in timm's layout (vit_base_patch16_224)
-        tokens: int = 10  # P, deep prompt tokens per block
-        varphi: float = 4.0  # weight coefficient of the positive gradients
-        sigma: float = 12.0  # slope of the negative weight's sigmoid
-        mu: float = 0.8  # its centre
-        vit_mean: tuple = (0.5, 0.5, 0.5)  # the ViT's input normalisation (timm vit_base_patch16_224)
-        vit_std: tuple = (0.5, 0.5, 0.5)
-        double_weight: bool = False  # official: the hook squares the weights of training and statistics
+        vit_weights: str = setting("", "safetensors file: a ViT in timm's layout (vit_base_patch16_224); required")
+        tokens: int = setting(10, "P, deep prompt tokens per block", low=1)
+        varphi: float = setting(4.0, "weight coefficient of the positive gradients")
+        sigma: float = setting(12.0, "slope of the negative weight's sigmoid")
+        mu: float = setting(0.8, "its centre")
+        vit_mean: tuple[float, ...] = setting((0.5, 0.5, 0.5), "the ViT's input normalisation (timm "
+                                                               "vit_base_patch16_224): mean per channel")
+        vit_std: tuple[float, ...] = setting((0.5, 0.5, 0.5), "its standard deviation per channel", low=0,
+                                             low_open=True)
+        double_weight: bool = setting(False, "official: the hook squares the weights of training and statistics")
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, Method, load_weights, make_optimizer, train_local, weighted_average, weights_of
-from ..errors import ConfigError
+from ..decl import setting
 from ..registry import METHODS
 
 CENTRE_INITS = ("holders", "all")
@@ -105,18 +105,18 @@ class FedLF(Method):
 
     @dataclass
     class Params:
-        alpha: float = 0.25  # adaptive logit adjustment: scale alpha + (1 - alpha) n_c / max n (official rs_alpha)
-        centre_weight: float = 0.5  # lambda of the class-centre L1 term (official lambda_2, hard-coded 0.5)
-        warmup_rounds: int = 10  # rounds before the server builds the global class centres (official warm_up_epoch)
-        decorr_weight: float = 0.1  # weight of the feature decorrelation (FedDecorr's coefficient; 0: official code)
-        centre_detach: bool = False  # official: class centres of detached features (the term then trains nothing)
-        centre_init: str = "holders"  # first global centres: mean over the clients holding the class | all (official)
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if self.p.centre_init not in CENTRE_INITS:
-            raise ConfigError(f"fedlf.centre_init must be one of {', '.join(CENTRE_INITS)}, "
-                              f"got {self.p.centre_init!r}")
+        alpha: float = setting(0.25, "adaptive logit adjustment: scale alpha + (1 - alpha) n_c / max n (official "
+                                     "rs_alpha)", low=0, high=1)
+        centre_weight: float = setting(0.5, "lambda of the class-centre L1 term (official lambda_2, hard-coded 0.5)",
+                                       low=0)
+        warmup_rounds: int = setting(10, "rounds before the server builds the global class centres (official "
+                                         "warm_up_epoch)", low=0)
+        decorr_weight: float = setting(0.1, "weight of the feature decorrelation (FedDecorr's coefficient; 0: "
+                                            "official code)", low=0)
+        centre_detach: bool = setting(False, "official: class centres of detached features (the term then trains "
+                                             "nothing)")
+        centre_init: str = setting("holders", "first global centres: mean over the clients holding the class | all "
+                                              "(official)", choices=CENTRE_INITS)
 
     # ------------------------------------------------------------------ server
     def configure(self, state, rnd, cid):

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import LocalSteps, Train
+from ..decl import setting
 from ..errors import ConfigError
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -67,8 +68,10 @@ class FedRS(FedAvg):
 
     @dataclass
     class Params:
-        alpha: float = 0.5  # scale of the logits of the classes a client lacks (0: masked out, 1: FedAvg without bias)
-        scaling: str = "binary"  # binary (paper) | proportional (official get_cdist: alpha + (1 - alpha) n_c / max n)
+        alpha: float = setting(0.5, "scale of the logits of the classes a client lacks (0: masked out, 1: FedAvg "
+                                    "without bias)", low=0, high=1)
+        scaling: str = setting("binary", "binary (paper) | proportional (official get_cdist: alpha + (1 - alpha) n_c / "
+                                         "max n)", choices=SCALINGS)
 
     def local_steps(self, payload, cstate, data):
         counts = torch.as_tensor(data.counts, dtype=torch.float32, device=self.spec.device)

@@ -57,6 +57,7 @@ from torch import nn
 
 from ..core import LocalSteps, Message, Method, derive_seed, weighted_average
 from ..core.losses import log_prior
+from ..decl import setting
 from ..registry import METHODS
 
 ROUTE, HEADS = 0x6B3E, 0x6B3F  # seed purposes: the expert a client outside its group trains; the heads
@@ -119,11 +120,13 @@ class GBME(Method):
 
     @dataclass
     class Params:
-        experts: int = 3  # E, classifier experts (official num_experts)
-        beta: float = 0.5  # in expert rounds, the share of clients training their own group's expert
-        expert_start: float = 0.6  # expert rounds after this fraction of the rounds (official: 3/5)
-        normed_heads: bool = True  # cosine heads scaled by ``scale`` (official config use_norm); false: linear
-        scale: float = 30.0  # s of the cosine heads
+        experts: int = setting(3, "E, classifier experts (official num_experts)", low=1)
+        beta: float = setting(0.5, "in expert rounds, the share of clients training their own group's expert", low=0,
+                              high=1)
+        expert_start: float = setting(0.6, "expert rounds after this fraction of the rounds (official: 3/5)", low=0,
+                                      high=1)
+        normed_heads: bool = setting(True, "cosine heads scaled by ``scale`` (official config use_norm); false: linear")
+        scale: float = setting(30.0, "s of the cosine heads", low=0, low_open=True)
 
     # ------------------------------------------------------------------ model
     def new_model(self):
