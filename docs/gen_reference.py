@@ -180,8 +180,7 @@ def _cell(s: str) -> str:
 # ------------------------------------------------------------------------------------------------ settings
 def settings_page(fedlt) -> str:
     """Every run setting, in tables by group, from its declaration."""
-    from fedlt.config import RunConfig
-    from fedlt.decl import rows
+    from fedlt.config import setting_rows
 
     out = ["# Run settings", "",
            "Every setting of a run, written from its declaration in `fedlt.config.RunConfig` when the site is built "
@@ -192,7 +191,7 @@ def settings_page(fedlt) -> str:
            "A *limit* catches a typo (an extra zero) before an hour of allocation: pass it on purpose with "
            "`--allow-large` (`allow_large = true`). Every float must be finite and fit a float32.", ""]
     group = None
-    for r in rows(RunConfig, groups=("data", "training")):
+    for r in setting_rows():
         if r["group"] != group:
             group = r["group"]
             out += ["", f"## {group.capitalize() if group else 'Other'}", "",

@@ -18,6 +18,7 @@ from fedlt import experiment
 from fedlt.core.api import Method
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.engine.clientstate import ClientStates, state_name
+from fedlt.data.partition import partition_settings
 from fedlt.engine.driver import TRAIN, client_generator
 from fedlt.errors import ConfigError
 from fedlt.experiment import federation_for, prepare
@@ -328,7 +329,7 @@ def test_per_client_test_data_from_the_clients_own_samples_leaf_split():
     cfg = small_config(clients=6)
     plain, own = federation_for(cfg), experiment.build_federation(
         cfg.dataset, None, cfg.imbalance_ratio, None, 3, None, cfg.partition, cfg.clients, cfg.seed, "cpu",
-        cfg.partition_kw(), client_test_fraction=0.25)
+        partition_settings(cfg.partition, cfg), client_test_fraction=0.25)
     for k in range(6):
         a, b = plain.clients[k], own.clients[k]
         both = np.concatenate([b.train_index, b.test_index])

@@ -264,3 +264,24 @@ def test_a_plain_params_dataclass_with_comments_still_works():
     with pytest.raises(ConfigError, match="method old has no parameter 'nu'"):
         Old.make_params({"nu": 1})
     assert [(r["name"], r["help"]) for r in rows(Old.Params)] == [("scale", "how much"), ("steps", "how many")]
+
+
+# ------------------------------------------------------------------------------------------------ partitions
+def test_each_partition_declares_the_run_settings_it_reads():
+    """The registry says what a partition reads (RunConfig fields, so TOML keys and options stay as they were);
+    a run passes exactly those, under the partition's own keyword names (fedlt 0.1's partition_kw, pinned)."""
+    from fedlt.data.partition import partition_settings, partitions_reading
+    from fedlt.registry import PARTITIONS
+
+    for name, fn in PARTITIONS.items():
+        assert set(fn.settings.values()) <= set(SETTINGS), name
+    cfg = RunConfig(alpha=0.3, min_client_size=2, balance=True, shards_per_client=4, classes_per_client=3, tau=1.5,
+                    imbalance_ratio=50.0)
+    old = {"dirichlet": {"alpha": 0.3, "min_size": 2, "balance": True}, "shards": {"shards_per_client": 4},
+           "tau": {"tau": 1.5}, "pathological": {"classes_per_client": 3, "balance": True},
+           "exdir": {"alpha": 0.3, "classes_per_client": 3, "min_size": 2},
+           "local-longtail": {"alpha": 0.3, "rho": 50.0}, "iid": {}, "natural": {}, "file": {}}
+    assert {n: partition_settings(n, cfg) for n in old} == old
+    assert partitions_reading("balance") == ["dirichlet", "pathological"]
+    with pytest.raises(ConfigError, match="--balance applies to the dirichlet and pathological partitions, not iid"):
+        load_config(overrides={"balance": True, "partition": "iid"})

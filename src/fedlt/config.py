@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .core.spec import LR_SCHEDULES, scheduled_lr
-from .decl import byte_size, check_values, coerce, settings_of, setting
+from .decl import byte_size, check_values, coerce, rows, settings_of, setting, words
 from .engine.clientstate import DEFAULT_BUDGET
 from .errors import ConfigError
 from .papers import presets as paper_presets
@@ -156,15 +156,6 @@ class RunConfig:
                                        "smoke test or a paper's protocol (`fedlt list` shows their values)",
                                  choices=lambda: tuple(PRESETS), result=False)
 
-    def partition_kw(self) -> dict:
-        return {"dirichlet": {"alpha": self.alpha, "min_size": self.min_client_size, "balance": self.balance},
-                "shards": {"shards_per_client": self.shards_per_client},
-                "tau": {"tau": self.tau},
-                "pathological": {"classes_per_client": self.classes_per_client, "balance": self.balance},
-                "exdir": {"alpha": self.alpha, "classes_per_client": self.classes_per_client,
-                          "min_size": self.min_client_size},
-                "local-longtail": {"alpha": self.alpha, "rho": self.imbalance_ratio}}.get(self.partition, {})
-
     def dataset_kw(self) -> dict:
         """Settings passed to the dataset's loader."""
         return {**({"image_size": self.image_size} if self.image_size else {}),
@@ -257,6 +248,7 @@ def count_file_clients(path: str) -> int:
 def validate(cfg: RunConfig) -> None:
     """Every setting against its declaration (type, range, choices, names), then the checks that relate two
     settings or need the method, the dataset or torch. Raises ConfigError with a one-line message."""
+    from .data.partition import partitions_reading
     from .data.split import check_lt_settings, default_lt_profile
     from .plugins import load_method_file, method_class
 
@@ -275,8 +267,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.partition == "natural" and not getattr(loader, "natural_groups", False):
         raise ConfigError(f"partition natural needs a dataset with its own users ({having(DATASETS, 'natural_groups')}"
                           f"); {cfg.dataset} has none")
-    if cfg.balance and cfg.partition not in ("dirichlet", "pathological"):
-        raise ConfigError(f"--balance applies to the dirichlet and pathological partitions, not {cfg.partition}")
+    takers = partitions_reading("balance")
+    if cfg.balance and cfg.partition not in takers:
+        raise ConfigError(f"--balance applies to the {words(takers, 'and')} partitions, not {cfg.partition}")
     if cfg.image_size is not None and not getattr(loader, "image_size", False):
         raise ConfigError(f"--image-size applies to {having(DATASETS, 'image_size', ' and ')}, not {cfg.dataset}")
     if cfg.synthetic_per_class is not None and not getattr(loader, "per_class", False):
@@ -317,6 +310,19 @@ def having(registry, attr: str, last: str = ", ") -> str:
     """The names of a registry's entries that have ``attr`` set ("femnist, inat-user, imu")."""
     names = [n for n, obj in registry.items() if getattr(obj, attr, False)]
     return last.join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else "".join(names)
+
+
+def setting_rows() -> list[dict[str, str]]:
+    """Every run setting described for a table (``fedlt list settings``, the site's settings page): its
+    declaration, and which partitions read it (each partition declares the settings it reads)."""
+    from .data.partition import partitions_reading
+
+    out = rows(RunConfig, groups=("data", "training"))
+    for r in out:
+        users = partitions_reading(r["name"])
+        if users:
+            r["help"] += f" (read by the {words(users, 'and')} partition{'s' if len(users) > 1 else ''})"
+    return out
 
 
 def check_device(device: str) -> None:

@@ -191,9 +191,10 @@ def _num(x) -> str:
     return f"{x:g}"
 
 
-def _words(items) -> str:
+def words(items, last: str = "or") -> str:
+    """``a, b or c`` (``last="and"``: ``a, b and c``)."""
     items = [str(x) for x in items]
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
 
 
 def coerce(s: Setting, value: Any, prefix: str | None = None) -> Any:
@@ -356,10 +357,10 @@ def _check_one(s: Setting, v: Any, label: str, allow_large: bool) -> None:
             n = None
         if n is None or not _in_range(d, n):
             what = f"a number{' of ' + d.unit if d.unit else ''} {range_text(d)}".rstrip()
-            raise ConfigError(f"{label} must be {_words([*(allowed or ()), what])}, got {v!r}")
+            raise ConfigError(f"{label} must be {words([*(allowed or ()), what])}, got {v!r}")
         return
     if allowed is not None and v not in allowed:
-        raise ConfigError(f"unknown {label} {v!r}; choose {_words(allowed)}")
+        raise ConfigError(f"unknown {label} {v!r}; choose {words(allowed)}")
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         if not _in_range(d, v):
             hint = d.hint(v) if d.hint else ""

@@ -19,6 +19,7 @@ import torch
 from .config import RunConfig, parse_milestones
 from .core.api import Method, RunSpec
 from .data import Federation, build_federation
+from .data.partition import partition_settings
 from .data.split import default_lt_profile, partition_document
 from .engine import EngineConfig, Simulation
 from .errors import ConfigError, Diverged
@@ -61,8 +62,8 @@ def lt_profile_of(cfg: RunConfig, fed: Federation) -> str:
 
 def federation_for(cfg: RunConfig) -> Federation:
     return build_federation(cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes,
-                            cfg.n_max, cfg.partition, cfg.clients, cfg.seed, cfg.device, cfg.partition_kw(),
-                            cfg.dataset_kw(), placement_mode=cfg.data_placement, partition_file=cfg.partition_file,
+                            cfg.n_max, cfg.partition, cfg.clients, cfg.seed, cfg.device,
+                            partition_settings(cfg.partition, cfg), cfg.dataset_kw(), placement_mode=cfg.data_placement, partition_file=cfg.partition_file,
                             client_test_fraction=cfg.client_test_fraction)
 
 

@@ -37,11 +37,10 @@ def main(args) -> int:
     from ..registry import METHODS
 
     if args.what == "settings":
-        from ..config import RunConfig
-        from ..decl import rows
+        from ..config import setting_rows
 
         print("run settings (TOML key, type = default, [command line]; then its meaning and what it allows):")
-        print_rows(rows(RunConfig, groups=("data", "training")))
+        print_rows(setting_rows())
         return 0
     if args.what is not None:
         from ..decl import rows
@@ -71,7 +70,8 @@ def main(args) -> int:
     for title, reg in (("datasets", DATASETS), ("models", MODELS), ("partitions", PARTITIONS)):
         print(f"{title}:")
         for name, obj in reg.items():
-            print(f"  {name:<14} {_first_line(obj)}")
+            reads = ", ".join(f"--{v.replace('_', '-')}" for v in getattr(obj, "settings", {}).values())
+            print(f"  {name:<14} {_first_line(obj)}" + (f" [{reads}]" if reads else ""))
     from ..papers import presets as paper_presets
 
     papers = paper_presets()

@@ -17,6 +17,29 @@ from ..errors import ConfigError
 from ..registry import DATASETS, PARTITIONS
 
 
+def reads(*names: str, **renamed: str):
+    """Declare the run settings (``fedlt.config.RunConfig`` fields, TOML keys, command-line options) that a
+    partition reads: ``reads("alpha", min_size="min_client_size")`` passes ``alpha`` as ``alpha=`` and
+    ``min_client_size`` as ``min_size=``. The declaration is what :func:`partition_settings` passes, what the
+    settings reference says uses each setting, and what decides that ``--balance`` applies to a partition."""
+    def deco(fn):
+        fn.settings = {**{n: n for n in names}, **renamed}  # keyword -> run setting
+        return fn
+
+    return deco
+
+
+def partition_settings(name: str, run) -> dict:
+    """The keyword arguments of partition ``name`` from a run's settings (``run``: a RunConfig, or anything with
+    the settings as attributes)."""
+    return {kw: getattr(run, setting) for kw, setting in PARTITIONS.get(name).settings.items()}
+
+
+def partitions_reading(setting: str) -> list[str]:
+    """The partitions that read a run setting (``"balance"`` -> ``["dirichlet", "pathological"]``)."""
+    return [n for n, fn in PARTITIONS.items() if setting in getattr(fn, "settings", {}).values()]
+
+
 def least_samples(n: int, num_clients: int) -> int:
     """LongTailLib's minimum client size: int(min(batch_size / (1 - train_ratio), N / K / 2)) with its batch
     size 10 and train ratio 0.75."""
@@ -54,6 +77,7 @@ def _redraw(draw, tries: int, need: int, what: str) -> list[np.ndarray]:
 
 
 @PARTITIONS.register("dirichlet")
+@reads("alpha", "balance", min_size="min_client_size")
 def dirichlet(labels, num_clients: int, num_classes: int, seed: int, alpha: float = 0.5,
               min_size: int = 0, max_tries: int = 100, balance: bool = False, **_) -> list[np.ndarray]:
     """FedLoGe's Dirichlet partition: per class p_c ~ Dir(alpha), each sample to a client drawn from p_c.
@@ -94,6 +118,7 @@ def dirichlet(labels, num_clients: int, num_classes: int, seed: int, alpha: floa
 
 
 @PARTITIONS.register("shards")
+@reads("shards_per_client")
 def shards(labels, num_clients: int, num_classes: int, seed: int, shards_per_client: int = 2, **_):
     """Sort by label, cut into num_clients * s equal shards, give each client s random shards (McMahan et al.;
     FedDr+'s 'sharding'). A client then holds at most s classes."""
@@ -110,6 +135,7 @@ def shards(labels, num_clients: int, num_classes: int, seed: int, shards_per_cli
 
 
 @PARTITIONS.register("iid")
+@reads()
 def iid(labels, num_clients: int, num_classes: int, seed: int, **_):
     """A uniformly random split into equal-size clients (a reference, no label skew)."""
     rng = np.random.default_rng([seed, 4])
@@ -117,6 +143,7 @@ def iid(labels, num_clients: int, num_classes: int, seed: int, **_):
 
 
 @PARTITIONS.register("tau")
+@reads("tau")
 def tau_sampling(labels, num_clients: int, num_classes: int, seed: int, tau: float = 2.0, **_):
     """BalanceFL's tau-sampling (section 6.1.1): n_tau = tau * n_min. Round after round, every client in turn
     draws n_tau samples without replacement from the class with the fewest samples left; if that class has
@@ -147,6 +174,7 @@ def tau_sampling(labels, num_clients: int, num_classes: int, seed: int, tau: flo
 
 
 @PARTITIONS.register("pathological")
+@reads("classes_per_client", "balance")
 def pathological(labels, num_clients: int, num_classes: int, seed: int, classes_per_client: int = 2,
                  balance: bool = False, **_):
     """Pathological non-IID (LongTailLib's pat): each client holds at most --classes-per-client classes.
@@ -183,6 +211,7 @@ def pathological(labels, num_clients: int, num_classes: int, seed: int, classes_
 
 
 @PARTITIONS.register("exdir")
+@reads("alpha", "classes_per_client", min_size="min_client_size")
 def extended_dirichlet(labels, num_clients: int, num_classes: int, seed: int, alpha: float = 0.5,
                        classes_per_client: int = 2, min_size: int = 0, max_tries: int = 100, **_):
     """Extended Dirichlet (LongTailLib's exdir; Li et al. 2023, as PFLlib): C classes per client, Dir(alpha).
@@ -213,6 +242,7 @@ def extended_dirichlet(labels, num_clients: int, num_classes: int, seed: int, al
 
 
 @PARTITIONS.register("local-longtail")
+@reads("alpha", rho="imbalance_ratio")
 def local_longtail(labels, num_clients: int, num_classes: int, seed: int, alpha: float = 0.5, rho: float = 100.0,
                    **_):
     """A per-client long tail (LongTailLib's local_longtail): each client long-tailed with --rho.
@@ -251,6 +281,7 @@ def local_longtail(labels, num_clients: int, num_classes: int, seed: int, alpha:
 
 
 @PARTITIONS.register("natural")
+@reads()
 def natural(labels, num_clients: int, num_classes: int, seed: int, groups=None, **_):
     """The dataset's own clients (FEMNIST's writers, iNaturalist-User's users): K of them at random.
 
@@ -272,9 +303,11 @@ def natural(labels, num_clients: int, num_classes: int, seed: int, groups=None, 
 
 
 @PARTITIONS.register("file")
+@reads()
 def from_file(labels, num_clients: int, num_classes: int, seed: int, **_):
-    """The clients of a partition file (``--partition-file FILE.json``, which sets this partition): the file's
-    index lists replace the long-tail subset and the partition (:mod:`fedlt.data.split`)."""
+    """The clients of a partition file, set by ``--partition-file FILE.json``.
+
+    The file's index lists replace the long-tail subset and the partition (:mod:`fedlt.data.split`)."""
     raise ConfigError("partition file needs --partition-file FILE.json")
 
 

@@ -167,6 +167,7 @@ def check_data(runs) -> None:
     from ..data.datasets import load_dataset
     from ..data.federated import check_clients
     from ..data.fetch import BY_HAND, SOURCES, presence
+    from ..data.partition import partition_settings
     from ..data.split import split_training_set
 
     seen = set()
@@ -198,7 +199,7 @@ def check_data(runs) -> None:
         splits.add(key)
         ds = load_dataset(cfg.dataset, cfg.data_dir, **cfg.dataset_kw())
         sp = split_training_set(ds, cfg.lt_profile, cfg.imbalance_ratio, cfg.n_max, cfg.tail_classes, cfg.partition,
-                                cfg.clients, cfg.seed, cfg.partition_kw(), cfg.partition_file)
+                                cfg.clients, cfg.seed, partition_settings(cfg.partition, cfg), cfg.partition_file)
         try:
             check_clients(sp.parts, cfg.clients)
         except ConfigError as e:

@@ -44,6 +44,7 @@ from flwr.clientapp import ClientApp
 from ..config import RunConfig
 from ..core.api import Message, Method, RunSpec
 from ..data.federated import ClientData, Prep
+from ..data.partition import partition_settings
 from ..core.training import autocast
 from ..engine.driver import PHASE, TRAIN, client_generator
 from ..errors import ConfigError, DataError
@@ -111,8 +112,8 @@ def _partition_client(job: Job, pid: int, device: str) -> ClientData:
     if not 0 <= pid < cfg.clients:
         raise ConfigError(f"partition-id {pid} is outside the run's {cfg.clients} clients; use 0..{cfg.clients - 1}")
     key = json.dumps([cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes, cfg.n_max,
-                      cfg.partition, cfg.partition_kw(), cfg.partition_file, cfg.dataset_kw(), cfg.clients, cfg.seed,
-                      cfg.client_test_fraction, device], sort_keys=True, default=str)
+                      cfg.partition, partition_settings(cfg.partition, cfg), cfg.partition_file, cfg.dataset_kw(),
+                      cfg.clients, cfg.seed, cfg.client_test_fraction, device], sort_keys=True, default=str)
     if key not in _FEDS:
         _FEDS[key] = federation_for(RunConfig(**{**cfg.to_dict(), "device": device}))
     return _FEDS[key].clients[pid]
