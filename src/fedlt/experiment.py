@@ -23,7 +23,7 @@ from .data.partition import partition_settings
 from .data.split import default_lt_profile, partition_document
 from .engine import EngineConfig, Simulation
 from .errors import ConfigError, Diverged
-from .jsonutil import jsonable
+from .jsonutil import dumps
 from .metrics import GROUPS
 from .plugins import method_class
 
@@ -113,7 +113,7 @@ def mean_last(history: list[dict], n: int = 3) -> dict[str, float | None]:
 
 def write_json(path: Path, obj) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=jsonable))
+    tmp.write_text(dumps(obj))
     os.replace(tmp, path)
 
 

@@ -43,7 +43,9 @@ def leaf_sample_split(n: int, rng: np.random.Generator, frac: float = 0.9) -> tu
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     k = 1 if n == 2 else max(1, int(frac * n))
     train = np.sort(rng.choice(n, size=k, replace=False))
-    return train, np.setdiff1d(np.arange(n), train)
+    test = np.ones(n, bool)
+    test[train] = False
+    return train, np.flatnonzero(test)
 
 
 def default_lt_profile(dataset: str, partition_name: str, partition_file: str | None) -> str:
