@@ -1,6 +1,7 @@
 """Small datasets written in their real on-disk formats, for the loader tests and trial runs.
 
     PYTHONPATH=tests python -m datafixtures OUT   # writes OUT/imagenet-lt, cifar10, inat-user, femnist, speech, imu
+    PYTHONPATH=tests python -m datafixtures OUT --femnist-writers 3500   # OUT/femnist at FEMNIST's scale
 """
 from __future__ import annotations
 
@@ -99,30 +100,38 @@ def write_inat_user(root: Path, users=(("u7", 5), ("alice", 3), ("u9", 4)), clas
     return root
 
 
-def leaf_doc(users: dict[str, list[int]], seed=2) -> dict:
-    """A LEAF FEMNIST JSON document: users -> labels; images are value / 255 lists of 784."""
+def leaf_doc(users: dict[str, list[int]], seed=2, digits: int | None = None) -> dict:
+    """A LEAF FEMNIST JSON document: users -> labels; images are value / 255 lists of 784 (``digits``: rounded to
+    that many decimals, for smaller files)."""
     rng = np.random.default_rng(seed)
-    data = {u: {"x": [(rng.integers(0, 256, 784) / 255).tolist() for _ in ys], "y": list(ys)}
+    pixels = (lambda v: v) if digits is None else (lambda v: v.round(digits))
+    data = {u: {"x": [pixels(rng.integers(0, 256, 784) / 255).tolist() for _ in ys], "y": list(ys)}
             for u, ys in users.items()}
     return {"users": list(users), "num_samples": [len(v) for v in users.values()], "user_data": data}
 
 
-def write_femnist(root: Path, layout="split", seed=3) -> Path:
-    """LEAF's femnist/data/{train,test}/*.json (``split``) or femnist/data/all_data/*.json (``all``)."""
+def write_femnist(root: Path, layout="split", seed=3, writers: int = 6, per_file: int = 4, sizes=(6, 14),
+                  digits: int | None = None) -> Path:
+    """LEAF's femnist/data/{train,test}/*.json (``split``: each writer's last 2 samples are its test samples) or
+    femnist/data/all_data/*.json (``all``): ``writers`` writers of ``sizes`` (low, high) samples, ``per_file``
+    writers a file (LEAF's hold about 100). FEMNIST's scale: ``writers=3500, per_file=100``."""
     rng = np.random.default_rng(seed)
-    writers = {f"f{i:04d}_{10 + i}": rng.integers(0, 62, int(rng.integers(6, 14))).tolist() for i in range(6)}
-    names = list(writers)
+    users = {f"f{i:04d}_{10 + i}": rng.integers(0, 62, int(rng.integers(*sizes))).tolist() for i in range(writers)}
+    names = list(users)
+    chunks = [names[i:i + per_file] for i in range(0, len(names), per_file)]
     base = root / "data"
     if layout == "all":
         (base / "all_data").mkdir(parents=True, exist_ok=True)
-        for j, chunk in enumerate((names[:4], names[4:])):
-            (base / "all_data" / f"all_data_{j}.json").write_text(json.dumps(leaf_doc({u: writers[u] for u in chunk})))
+        for j, chunk in enumerate(chunks):
+            (base / "all_data" / f"all_data_{j}.json").write_text(
+                json.dumps(leaf_doc({u: users[u] for u in chunk}, digits=digits)))
         return root
     for split in ("train", "test"):
         (base / split).mkdir(parents=True, exist_ok=True)
-        for j, chunk in enumerate((names[:4], names[4:])):
-            part = {u: (writers[u][:-2] if split == "train" else writers[u][-2:]) for u in chunk}
-            (base / split / f"all_data_{j}_niid_0_keep_0_{split}_9.json").write_text(json.dumps(leaf_doc(part, j)))
+        for j, chunk in enumerate(chunks):
+            part = {u: (users[u][:-2] if split == "train" else users[u][-2:]) for u in chunk}
+            (base / split / f"all_data_{j}_niid_0_keep_0_{split}_9.json").write_text(
+                json.dumps(leaf_doc(part, j, digits)))
     return root
 
 
@@ -208,6 +217,10 @@ def write_nist_zips(root: Path, seed=6) -> tuple[Path, Path, dict]:
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
+    if sys.argv[2:3] == ["--femnist-writers"]:  # FEMNIST alone, at a scale: OUT --femnist-writers 3500
+        write_femnist(out / "femnist", writers=int(sys.argv[3]), per_file=100, digits=3)
+        print(f"wrote {sys.argv[3]} FEMNIST writers under {out / 'femnist'}")
+        raise SystemExit(0)
     write_imagenet_lt(out / "imagenet-lt")
     write_cifar10(out / "cifar10")
     write_inat_user(out / "inat-user")
