@@ -187,3 +187,12 @@ def test_reproduce_page_runs(tmp_path):
     outputs = run_blocks(doc.name, doc.read_text(), work, {**doc_env(tmp_path), "FEDLT_DATA": str(tmp_path / "none")})
     assert len(outputs) == 2 and "fedloge-table1" in outputs[0] and "balancefl-table4" in outputs[0]
     assert "6 runs = 2 methods x 1 settings x 3 seeds" in outputs[1] and not (work / "runs").exists()
+
+
+def test_evaluation_page_runs(tmp_path):
+    """docs/evaluation.md's cross-device example: 1,000 clients, PM over a seeded sample of 100."""
+    work = tmp_path / "work"
+    work.mkdir()
+    doc = ROOT / "docs" / "evaluation.md"
+    (out,) = run_blocks(doc.name, doc.read_text(), work, doc_env(tmp_path))
+    assert "PM over 100 of 1,000 clients (a seeded sample; --eval-clients)" in out
