@@ -9,7 +9,10 @@ process):
   4 by default: ``--synthetic-per-class`` = K x 4 / 10, split IID), each client testing on a quarter of its own
   samples (``--client-test-fraction 0.25``), PM over 500 sampled clients (``--eval-clients 500``);
 - the issue's rows (``--fmnist``): Fashion-MNIST as the issue measured it before (long-tailed rho 100, split IID
-  over K, every client evaluated), for the before/after table.
+  over K, every client evaluated), for the before/after table; ``--fmnist-sampled``: the same with PM over 500
+  sampled clients testing on their own samples.
+
+wall s is the process's (interpreter start, data, 3 rounds, evaluation, phases), as the issue's table gives it.
 
 Seconds per round are the median over the rounds of the driver's round time (wall) and of the process's CPU time
 in the round (``cpu s/round``: what a shared machine's load does not change); checkpoint bytes per round the
@@ -20,6 +23,7 @@ per round independent of K.
 
     python benchmarks/many_clients.py [--methods fedavg,ditto,moon,scaffold,fedloge] [--ks 1000,10000,100000]
                                       [--per-client 4] [--fmnist 1000,10000] [--budget 2GB]
+    python benchmarks/many_clients.py --interleave 20   # s/round at the smallest and largest K, in one process
 """
 from __future__ import annotations
 
@@ -42,9 +46,12 @@ COMMON = ["--participation", "20", "--eval-every", "3", "--partition", "iid", "-
 def command(method: str, dataset: str, K: int, per_client: int, budget: str, rounds: int) -> list[str]:
     argv = ["run", "--method", method, "--clients", str(K), "--rounds", str(rounds), *COMMON,
             "--client-state-memory", budget]
+    sampled = ["--client-test-fraction", "0.25", "--eval-clients", "500"]
     if dataset == "synthetic":
         return argv + ["--dataset", "synthetic", "--synthetic-per-class", str(K * per_client // 10),
-                       "--lt-profile", "none", "--client-test-fraction", "0.25", "--eval-clients", "500"]
+                       "--lt-profile", "none", *sampled]
+    if dataset == "fashion-mnist+sample":  # the same, as the field evaluates a large population
+        return argv + ["--dataset", "fashion-mnist", *sampled]
     return argv + ["--dataset", "fashion-mnist"]  # the issue's before: rho 100, every client evaluated
 
 
@@ -80,9 +87,7 @@ def child(argv: list[str]) -> None:
 
     runstate.save_checkpoint, clientstate.ClientStates.commit, driver.Driver.train_round = save, commit, train_round
     with tempfile.TemporaryDirectory() as out:
-        t0 = time.perf_counter()
         rc = cli.main(argv + ["--out", out, "--name", "run"])
-        wall = time.perf_counter() - t0
         if rc:
             raise SystemExit(rc)
         rows = [json.loads(x) for x in (Path(out) / "run" / runstate.METRICS).read_text().splitlines()]
@@ -96,8 +101,44 @@ def child(argv: list[str]) -> None:
         "phases_s": sum(r["time"] for r in rows if "phase" in r),
         "phase_clients": [r.get("phase_clients") for r in rows if "phase" in r],
         "eval_s": final.get("eval_time"),
-        "ckpt_bytes": [c + w for c, w in zip(ckpt, written)], "wall_s": wall,
+        "ckpt_bytes": [c + w for c, w in zip(ckpt, written)],
         "PM": pm["acc"] if pm else None, "pm_note": final.get("pm_note")}))
+
+
+def interleaved(methods: list[str], ks: list[int], per_client: int, rounds: int) -> None:
+    """Seconds per round at each K measured in one process, the populations' rounds taken in turn, so the load
+    of a shared machine falls on every K alike (the table's runs are minutes apart): median wall and CPU
+    seconds of the driver's train_round over ``rounds`` rounds."""
+    import torch
+
+    from fedlt.config import load_config
+    from fedlt.engine import EngineConfig, Simulation
+    from fedlt.experiment import prepare
+
+    torch.set_num_threads(1)
+    print(f"\ns/round measured in one process, rounds taken in turn ({rounds} each; median wall / median CPU)")
+    for method in methods:
+        sims = {}
+        for K in ks:
+            cfg = load_config(overrides=dict(method=method, dataset="synthetic", synthetic_per_class=K * per_client // 10,
+                                             lt_profile="none", partition="iid", clients=K, participation=20,
+                                             rounds=rounds, eval_every=rounds + 1, model="smallcnn", threads=1,
+                                             eval_clients=500, client_test_fraction=0.25))
+            pr = prepare(cfg)
+            sims[K] = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+        times: dict = {K: ([], []) for K in ks}
+        for _ in range(rounds):
+            for K, sim in sims.items():
+                w, c = time.perf_counter(), time.process_time()
+                sim.train_round()
+                times[K][0].append(time.perf_counter() - w)
+                times[K][1].append(time.process_time() - c)
+        med = {K: (statistics.median(w), statistics.median(c)) for K, (w, c) in times.items()}
+        lo, hi = ks[0], ks[-1]
+        print(f"{method:<10} " + "   ".join(f"K = {K:,}: {w:.3f} / {c:.3f} s" for K, (w, c) in med.items()) +
+              f"   ratio {hi:,}/{lo:,}: wall {med[hi][0] / med[lo][0]:.2f}, CPU {med[hi][1] / med[lo][1]:.2f}",
+              flush=True)
+        del sims
 
 
 def ckpt_per_round(r: dict) -> float:
@@ -110,14 +151,22 @@ def main():
     ap.add_argument("--ks", default="1000,10000,100000", help="populations on the synthetic set")
     ap.add_argument("--per-client", type=int, default=4, help="synthetic samples a client (the same at every K)")
     ap.add_argument("--fmnist", default="", help="populations on Fashion-MNIST as the issue ran it (e.g. 1000,10000)")
+    ap.add_argument("--fmnist-sampled", default="", help="populations on Fashion-MNIST as the issue ran it, with "
+                                                         "--eval-clients 500 --client-test-fraction 0.25")
     ap.add_argument("--budget", default="2GB", help="--client-state-memory")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="only s/round: the smallest and largest --ks in one process, ROUNDS rounds each in turn")
     ap.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         return child(a.child)
+    if a.interleave:
+        ks = sorted(int(k) for k in a.ks.split(",") if k)
+        return interleaved(a.methods.split(","), [ks[0], ks[-1]], a.per_client, a.interleave)
     runs = [("synthetic", int(k)) for k in a.ks.split(",") if k] + \
-           [("fashion-mnist", int(k)) for k in a.fmnist.split(",") if k]
+           [("fashion-mnist", int(k)) for k in a.fmnist.split(",") if k] + \
+           [("fashion-mnist+sample", int(k)) for k in a.fmnist_sampled.split(",") if k]
     print(f"20 clients per round, {a.rounds} rounds, smallcnn, 1 thread, --client-state-memory {a.budget}, a "
           f"checkpoint every round; synthetic: {a.per_client} samples a client, a quarter of them its test set, PM "
           f"over 500 sampled clients; fashion-mnist: the issue's command (rho 100, every client evaluated)")
@@ -128,12 +177,14 @@ def main():
     for method in a.methods.split(","):
         for dataset, K in runs:
             argv = command(method, dataset, K, a.per_client, a.budget, a.rounds)
+            t0 = time.perf_counter()
             p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *argv],
                                capture_output=True, text=True)
+            wall = time.perf_counter() - t0  # the process's, as /usr/bin/time gives it (the issue's "wall")
             if p.returncode:
                 print(f"| {method} | {dataset} | {K:,} | failed: {p.stderr.strip().splitlines()[-1:]} |")
                 continue
-            r = res[method, dataset, K] = json.loads(p.stdout.strip().splitlines()[-1])
+            r = res[method, dataset, K] = {**json.loads(p.stdout.strip().splitlines()[-1]), "wall_s": wall}
             pm = "-" if r["PM"] is None else f"{100 * r['PM']:.2f}"
             phases = f"{r['phases_s']:.1f} ({', '.join(map(str, r['phase_clients']))})" if r["phase_clients"] else "-"
             print(f"| {method} | {dataset} | {K:,} | {r['peak_rss_mb'] / 1024:.2f} GB | {r['round_s']:.3f} | "
