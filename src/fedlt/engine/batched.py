@@ -28,10 +28,13 @@ fitted is kept for the later rounds.
 Not batched (run one client after another by the simulation): fp16 (its gradient scaler), methods with a loop of
 their own.
 
-Static mode (``--cuda-graphs``, ``engine.graphs``): the stacks keep their size and storage for the whole chunk,
-so that each step can be replayed as one CUDA graph. A client out of batches then stays in the stacks and steps
-on a stand-in batch, but its result was taken out when it finished and nothing of its row is read again; the
-loss sums are masked to the clients that really stepped, and the learning rates are device tensors.
+A chunk is trained by one of two runners, which share the stacks, the step and its schedule (:class:`_Runner`):
+the :class:`DynamicRunner` (the default), whose stacks hold only the clients still training, and the
+:class:`StaticRunner` (``--cuda-graphs``, ``engine.graphs``), whose stacks keep their size and storage for the
+whole chunk, so that each step can be replayed as one CUDA graph. A client out of batches then stays in the
+stacks and steps on a stand-in batch, but its result was taken out when it finished and nothing of its row is
+read again; the loss sums are masked to the clients that really stepped, and the learning rates are device
+tensors. On a CPU the static runner runs the same arithmetic without capture.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from typing import Callable
 import torch
 from torch.func import grad_and_value, vmap
 
-from ..core.api import Method
+from ..core.method import Method
 from ..core.steps import LocalSteps, StepModel, Trained, by_setting, frozen_net, groups_of, split_loss, stats_of
 from ..core.training import autocast
 from ..data.transforms import to_device
@@ -319,118 +322,180 @@ def size_groups(batches: dict[int, object], slot: dict[int, int], size_of) -> tu
 
 
 def _train_chunk(method: Method, jobs: list[Job], graphs: StepGraphs | None = None) -> list[Trained]:
-    """Train one chunk of clients together: their :class:`ClientStacks`, the :func:`local_step` and
-    :func:`size_groups` at every step. With ``graphs`` (static mode, see ``engine.graphs``) the stacks keep
-    their size and storage: clients without a batch stay in them (their rows are not read again) and only the
-    loss sums are masked to the clients that stepped."""
-    _check(jobs)
-    spec, ref, K = method.spec, jobs[0].steps, len(jobs)
-    dev = torch.device(spec.device)
-    static = graphs is not None
-    method.net.train()
-    S = ClientStacks(method, jobs)
-    bound = S.bind(graphs, method) if static else None
-    T = bound.tensors if static else {}  # static: the bound tensors, the only ones a (captured) step touches
-    part_names: list[str] = []
-    step = local_step(method, S, part_names)
-    settings = S.settings
+    """Train one chunk of clients together: by the :class:`StaticRunner` with ``graphs`` (static mode, see
+    ``engine.graphs``), else by the :class:`DynamicRunner`."""
+    return (DynamicRunner(method, jobs) if graphs is None else StaticRunner(method, jobs, graphs)).run()
 
-    def static_step(X, Y, keep) -> None:
+
+class _Runner:
+    """One chunk of clients trained together -- what both modes share: the chunk's :class:`ClientStacks`, the
+    pure :func:`local_step`, every client's batches, and the schedule of each step (the clients that run out of
+    batches finish, :func:`size_groups` picks the main group, and each odd-sized group steps on its own,
+    eagerly, on copies of its rows). A mode says how the stacks follow the clients that finish
+    (:meth:`leave`) and how the main step runs (:meth:`main_step`)."""
+
+    def __init__(self, method: Method, jobs: list[Job]):
+        _check(jobs)
+        spec, ref = method.spec, jobs[0].steps
+        self.method, self.K, self.dev = method, len(jobs), torch.device(spec.device)
+        method.net.train()
+        self.S = ClientStacks(method, jobs)
+        self.part_names: list[str] = []
+        self.step = local_step(method, self.S, self.part_names)
+        epochs = spec.local_epochs if ref.epochs is None else ref.epochs
+        self.iters, self.load, self.size_of = _loader(jobs, spec.batch_size, epochs)
+        self.sums: torch.Tensor | None = None  # [rows, 1 + parts] loss sums, on the device
+        self.index: dict[tuple, torch.Tensor] = {}  # row positions on the device, made once per set of rows
+        self.masks: dict[tuple, torch.Tensor] = {}  # per set of rows that step, a [rows, 1] mask of them
+
+    def on_device(self, positions: list[int]) -> torch.Tensor:
+        key = tuple(positions)
+        if key not in self.index:
+            self.index[key] = _to(positions, self.dev)
+        return self.index[key]
+
+    def mask_of(self, rows: list[int], n: int) -> torch.Tensor:
+        """[n, 1] float64: 1 on ``rows``, else 0."""
+        key = (n, *sorted(rows))
+        if key not in self.masks:
+            self.masks[key] = torch.zeros(n, 1, dtype=torch.float64, device=self.dev).index_fill_(
+                0, self.on_device(list(key[1:])), 1)
+        return self.masks[key]
+
+    def leave(self, active: list[int], slot: dict[int, int]) -> dict[int, int]:
+        """Some clients finished; ``active`` still train. Returns each active client's row in the stacks."""
+        raise NotImplementedError
+
+    def rows(self, active: list[int]) -> int:
+        """How many rows the main step runs over."""
+        raise NotImplementedError
+
+    def main_step(self, X: torch.Tensor, Y: torch.Tensor, main: list[int], odd: bool) -> None:
+        """The step of the main group's rows (on the whole stack), its loss sums added to ``self.sums``."""
+        raise NotImplementedError
+
+    def loss_parts(self) -> list[str]:
+        """The names of the loss's parts (set while a step's Python ran)."""
+        return self.part_names
+
+    def run(self) -> list[Trained]:
+        S, K = self.S, self.K
+        A = list(range(K))  # the clients still training
+        slot = {k: k for k in A}  # each one's row in the stacks
+        final_sums: dict[int, torch.Tensor] = {}
+        steps = [0] * K
+        results: list[Trained | None] = [None] * K
+        with _Float32Norms(self.method.net, self.method.spec.precision != "fp32"):
+            while A:
+                batches = {k: b for k in A if (b := next(self.iters[k], None)) is not None}
+                if len(batches) < len(A):  # clients out of batches are done
+                    for k in A:
+                        if k not in batches:
+                            results[k] = S.take(k, slot[k], steps[k] > 0)
+                            if self.sums is not None:
+                                final_sums[k] = self.sums[slot[k]].clone()
+                    A = [k for k in A if k in batches]
+                    if not A:
+                        break
+                    slot = self.leave(A, slot)
+                main, odd = size_groups(batches, slot, self.size_of)
+                # Clients whose batch has another size (an epoch's last, partial batch): their state is copied out
+                # before the main step, which then runs over the whole stack with a main client's batch standing
+                # in for theirs; their own step runs on the copies, which are written back over the stand-in's
+                # result.
+                copies = [(members, (idx := self.on_device(members)), S.rows(idx)) for members in odd]
+                of_row = {slot[k]: batches[k] for k in A}
+                items = [of_row[main[0]]] * self.rows(A)
+                for pos in main:
+                    items[pos] = of_row[pos]
+                X, Y = self.load(items)
+                self.main_step(X, Y, main, bool(odd))
+                for members, idx, (tp, bufs, mom, fp, cp) in copies:
+                    X, Y = self.load([of_row[pos] for pos in members])
+                    grads, (_, vec) = self.step(tp, bufs, {**S.F, **fp}, {**S.C, **cp}, X, Y)
+                    with torch.no_grad():
+                        _sgd(tp, grads, mom, S.settings)
+                        S.put(idx, tp, bufs, mom)
+                        self.sums.index_add_(0, idx, vec.double())
+                for k in A:
+                    steps[k] += 1
+        part_names = self.loss_parts()
+        names = sorted(final_sums)
+        means = {}
+        if names:
+            counts = to_device(torch.tensor([steps[k] for k in names], dtype=torch.float64, device="cpu"), self.dev)
+            rows = (torch.stack([final_sums[k] for k in names]) / counts.clamp_min(1)[:, None]).tolist()
+            means = dict(zip(names, rows))
+        for k, r in enumerate(results):
+            r.stats = stats_of(part_names, means.get(k, [0.0]), steps[k])
+        return results
+
+
+class DynamicRunner(_Runner):
+    """The dynamic mode: the stacks hold only the clients still training (a client that finishes leaves them),
+    each step runs eagerly, and the SGD update takes the learning rates as Python numbers."""
+
+    def leave(self, active, slot):
+        kept = _to([slot[k] for k in active], self.dev)
+        self.S.keep(kept)
+        self.sums = None if self.sums is None else self.sums.index_select(0, kept)
+        self.index.clear()
+        self.masks.clear()
+        return {k: i for i, k in enumerate(active)}
+
+    def rows(self, active):
+        return len(active)
+
+    def main_step(self, X, Y, main, odd):
+        S = self.S
+        grads, (_, vec) = self.step(S.P, S.B, S.F, S.C, X, Y)
+        with torch.no_grad():
+            _sgd(S.P, grads, S.M, S.settings)
+            vec = vec.double()
+            if odd:
+                vec = vec * self.mask_of(main, len(vec))
+            self.sums = vec if self.sums is None else self.sums + vec
+
+
+class StaticRunner(_Runner):
+    """The static mode (``--cuda-graphs``, ``engine.graphs``): the stacks keep their size and storage for the
+    whole chunk -- bound to the storage that earlier chunks of this shape used -- so that each main step can be
+    replayed as one CUDA graph. A client out of batches stays in the stacks and steps on a stand-in batch (its
+    result was taken out when it finished and nothing of its row is read again); the loss sums are masked to the
+    clients that really stepped, and the learning rates are device tensors (a graph outlives a round's lr)."""
+
+    def __init__(self, method: Method, jobs: list[Job], graphs: StepGraphs):
+        super().__init__(method, jobs)
+        self.graphs = graphs
+        self.bound = self.S.bind(graphs, method)
+        self.T = self.bound.tensors  # the only tensors a (captured) step touches
+
+    def leave(self, active, slot):
+        return slot  # rows stay where they are
+
+    def rows(self, active):
+        return self.K
+
+    def _step(self, X, Y, keep) -> None:
         """One step of every row of the stacks; the loss sums only of the rows where ``keep`` is 1. (A row
         without its own batch -- a finished client, whose result was taken out when it finished, or one with an
         odd-sized batch, whose state is written back after its own step -- may train on the stand-in: nothing of
         it is read.) Writes only into ``T``'s tensors."""
-        grads, (_, vec) = step(T["P"], T["B"], T["F"], T["C"], X, Y)
+        T = self.T
+        grads, (_, vec) = self.step(T["P"], T["B"], T["F"], T["C"], X, Y)
         with torch.no_grad():
-            _sgd(T["P"], grads, T["M"], settings, T["S"]["lrs"])
+            _sgd(T["P"], grads, T["M"], self.S.settings, T["S"]["lrs"])
             vec = vec.double() * keep
             if "sums" not in T:
                 T["sums"] = {"sums": torch.zeros_like(vec)}
             T["sums"]["sums"].add_(vec)
 
-    epochs = spec.local_epochs if ref.epochs is None else ref.epochs
-    iters, load, size_of = _loader(jobs, spec.batch_size, epochs)
-    A = list(range(K))  # the clients still training
-    slot = {k: k for k in A}  # each one's row in the stacks (static: fixed; else: rows of A's clients)
-    sums: torch.Tensor | None = None  # [rows, 1 + parts] loss sums, on the device
-    final_sums: dict[int, torch.Tensor] = {}
-    steps = [0] * K
-    index: dict[tuple, torch.Tensor] = {}  # row positions on the device, made once per set (until A changes)
-    masks: dict[tuple, torch.Tensor] = {}  # per set of rows that step, a [rows, 1] mask of them
-    results: list[Trained | None] = [None] * K
+    def main_step(self, X, Y, main, odd):
+        self.graphs.run(self.bound, (tuple(X.shape), X.dtype, tuple(Y.shape), Y.dtype), self._step, X, Y,
+                        self.mask_of(main, self.K))
+        self.sums = self.T["sums"]["sums"]
 
-    def on_device(positions: list[int]) -> torch.Tensor:
-        key = tuple(positions)
-        if key not in index:
-            index[key] = _to(positions, dev)
-        return index[key]
-
-    def mask_of(rows: list[int], n: int) -> torch.Tensor:  # [n, 1] float64: 1 on ``rows``, else 0
-        key = (n, *sorted(rows))
-        if key not in masks:
-            masks[key] = torch.zeros(n, 1, dtype=torch.float64, device=dev).index_fill_(0, on_device(key[1:]), 1)
-        return masks[key]
-
-    with _Float32Norms(method.net, spec.precision != "fp32"):
-        while A:
-            batches = {k: b for k in A if (b := next(iters[k], None)) is not None}
-            if len(batches) < len(A):  # clients out of batches are done (and, unless static, leave the stacks)
-                for k in A:
-                    if k not in batches:
-                        results[k] = S.take(k, slot[k], steps[k] > 0)
-                        if sums is not None:
-                            final_sums[k] = sums[slot[k]].clone()
-                A = [k for k in A if k in batches]
-                if not A:
-                    break
-                if not static:
-                    kept = _to([slot[k] for k in A], dev)
-                    S.keep(kept)
-                    sums = None if sums is None else sums.index_select(0, kept)
-                    slot = {k: i for i, k in enumerate(A)}
-                    index.clear()
-                    masks.clear()
-            main, odd = size_groups(batches, slot, size_of)
-            # Clients whose batch has another size (an epoch's last, partial batch): their state is copied out
-            # before the main step, which then runs over the whole stack with a main client's batch standing in
-            # for theirs; their own step runs on the copies, which are written back over the stand-in's result.
-            copies = [(members, (idx := on_device(members)), S.rows(idx)) for members in odd]
-            of_row = {slot[k]: batches[k] for k in A}
-            items = [of_row[main[0]]] * (K if static else len(A))
-            for pos in main:
-                items[pos] = of_row[pos]
-            X, Y = load(items)
-            if static:
-                graphs.run(bound, (tuple(X.shape), X.dtype, tuple(Y.shape), Y.dtype), static_step, X, Y,
-                           mask_of(main, K))
-                sums = T["sums"]["sums"]
-            else:
-                grads, (_, vec) = step(S.P, S.B, S.F, S.C, X, Y)
-                with torch.no_grad():
-                    _sgd(S.P, grads, S.M, settings)
-                    vec = vec.double()
-                    if odd:
-                        vec = vec * mask_of(main, len(A))
-                    sums = vec if sums is None else sums + vec
-            for members, idx, (tp, bufs, mom, fp, cp) in copies:
-                X, Y = load([of_row[pos] for pos in members])
-                grads, (_, vec) = step(tp, bufs, {**S.F, **fp}, {**S.C, **cp}, X, Y)
-                with torch.no_grad():
-                    _sgd(tp, grads, mom, settings)
-                    S.put(idx, tp, bufs, mom)
-                    sums.index_add_(0, idx, vec.double())
-            for k in A:
-                steps[k] += 1
-    if static:
-        if part_names:
-            bound.parts = list(part_names)
-        part_names = bound.parts
-    names = sorted(final_sums)
-    means = {}
-    if names:
-        counts = to_device(torch.tensor([steps[k] for k in names], dtype=torch.float64, device="cpu"), dev)
-        rows = (torch.stack([final_sums[k] for k in names]) / counts.clamp_min(1)[:, None]).tolist()
-        means = dict(zip(names, rows))
-    for k, r in enumerate(results):
-        r.stats = stats_of(part_names, means.get(k, [0.0]), steps[k])
-    return results
+    def loss_parts(self):
+        if self.part_names:  # a replay runs no Python: the names are kept from the steps that ran it
+            self.bound.parts = list(self.part_names)
+        return self.bound.parts
