@@ -60,7 +60,7 @@ def child(argv: list[str]) -> None:
 
     from fedlt import cli
     from fedlt.engine import clientstate, driver
-    from fedlt.experiments import runstate
+    from fedlt import runstate
 
     torch.set_num_threads(1)
     ckpt: list[int] = []

@@ -6,7 +6,7 @@ import torch
 
 from fedlt.config import RunConfig
 from fedlt.engine import EngineConfig, Simulation
-from fedlt.experiment import federation_for, prepare
+from fedlt.rundir import federation_for, prepare
 
 torch.set_num_threads(1)
 

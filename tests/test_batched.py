@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from conftest import method_test_params, small_config
-from fedlt.core.api import RunSpec
+from fedlt.core.method import RunSpec
 from fedlt.devcheck import ImplicitDevice, ReplayedGraphs
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.engine import batched as batched_mod
 from fedlt.engine.simulation import client_parallel_chunk
-from fedlt.experiment import federation_for, prepare
+from fedlt.rundir import federation_for, prepare
 from fedlt.registry import METHODS
 
 BATCHING = [m for m in METHODS.names() if METHODS.get(m).describes_steps()]

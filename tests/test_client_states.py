@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedlt import experiment
-from fedlt.core.api import Method
+from fedlt import rundir
+from fedlt.core.method import Method
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.engine.clientstate import ClientStates, state_name
 from fedlt.data.partition import partition_settings
 from fedlt.engine.driver import TRAIN, client_generator
 from fedlt.errors import ConfigError
-from fedlt.experiment import federation_for, prepare
+from fedlt.rundir import federation_for, prepare
 from fedlt.registry import METHODS
 from fedlt.safefile import load_tree
 
@@ -132,7 +132,7 @@ def test_the_settings_of_a_population_are_declared_and_checked():
 
 
 def test_a_resumed_run_may_change_its_memory_budget_but_not_its_evaluation_sample():
-    from fedlt.experiments.runstate import config_differences
+    from fedlt.runstate import config_differences
 
     base = small_config().to_dict()
     assert config_differences(base, {**base, "client_state_memory": 10**6}) == []
@@ -254,7 +254,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {src!r})
     import fedlt.engine.clientstate as cs
-    from fedlt import experiment
+    from fedlt import rundir
     from fedlt.config import RunConfig
 
     real, seen = cs.save_tree, [0]
@@ -270,7 +270,7 @@ CHILD = textwrap.dedent("""
     cs.save_tree = dying
     cfg = RunConfig(**{cfg!r})
     cfg.client_state_memory = 0
-    experiment.run(cfg, progress=False, checkpoint_every=1, echo=lambda *a: None)
+    rundir.run(cfg, progress=False, checkpoint_every=1, echo=lambda *a: None)
 """)
 
 
@@ -281,7 +281,7 @@ def _run_cfg(tmp_path, name):
 
 
 def test_kill_9_during_a_spill_then_resume_ends_as_the_uninterrupted_run(tmp_path):
-    ref = experiment.run(_run_cfg(tmp_path, "ref"), progress=False, echo=lambda *a: None)
+    ref = rundir.run(_run_cfg(tmp_path, "ref"), progress=False, echo=lambda *a: None)
     cfg = _run_cfg(tmp_path, "killed")
     # 3 clients a round, each state spilled when stored, plus the commit of each round's checkpoint: the 9th
     # write is during round 3, after the checkpoints of rounds 1 and 2
@@ -291,7 +291,7 @@ def test_kill_9_during_a_spill_then_resume_ends_as_the_uninterrupted_run(tmp_pat
     run_dir = tmp_path / "killed"
     assert (run_dir / "checkpoint.safetensors").is_file() and not (run_dir / "summary.json").exists()
     assert any(n.endswith(".tmp") for n in os.listdir(run_dir / "client-states"))
-    out = experiment.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1, resume=True)
+    out = rundir.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1, resume=True)
     assert out["resumed_after_round"] in (1, 2)
     assert _strip(out["final"]) == _strip(ref["final"])
     hist = lambda d: [{k: v for k, v in json.loads(x).items() if "time" not in k}  # noqa: E731
@@ -327,7 +327,7 @@ def test_per_client_test_data_from_the_clients_own_samples_leaf_split():
     from fedlt.data.federated import own_test_split
 
     cfg = small_config(clients=6)
-    plain, own = federation_for(cfg), experiment.build_federation(
+    plain, own = federation_for(cfg), rundir.build_federation(
         cfg.dataset, None, cfg.imbalance_ratio, None, 3, None, cfg.partition, cfg.clients, cfg.seed, "cpu",
         partition_settings(cfg.partition, cfg), client_test_fraction=0.25)
     for k in range(6):
@@ -347,7 +347,7 @@ def test_per_client_test_data_from_the_clients_own_samples_leaf_split():
 
 
 def test_a_federation_of_many_clients_costs_its_indices_not_a_client_object_each():
-    fed = experiment.build_federation("synthetic", None, 1.0, "none", 3, None, "iid", 20_000, 0, "cpu", {},
+    fed = rundir.build_federation("synthetic", None, 1.0, "none", 3, None, "iid", 20_000, 0, "cpu", {},
                                       {"n_per_class": 2_000})
     assert len(fed.clients) == 20_000 and len(fed.clients._views) == 0
     c = fed.clients[19_999]

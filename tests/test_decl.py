@@ -185,7 +185,7 @@ def test_soft_limits_are_passed_on_purpose_and_float32_overflow_is_refused():
 def test_a_run_directory_from_before_a_setting_existed_still_resumes():
     """A saved config without a newer setting compares as that setting's default (and --allow-large, which
     changes no number, is never compared)."""
-    from fedlt.experiments.runstate import NOT_COMPARED, config_differences
+    from fedlt.runstate import NOT_COMPARED, config_differences
 
     current = json.loads(json.dumps(RunConfig().to_dict()))
     saved = {k: v for k, v in current.items() if k not in ("allow_large", "lr_gamma")}
@@ -235,7 +235,7 @@ def test_method_parameters_are_checked_by_the_base_class_however_params_are_made
 
 
 def test_a_resumed_run_from_before_none_reads_the_old_sentinel_as_none():
-    from fedlt.experiments.runstate import config_differences
+    from fedlt.runstate import config_differences
 
     current = {"method": "fedloge", "method_params": {"beta": None, "head_lr": None, "fixed": "sse-c"}}
     saved = {"method": "fedloge", "method_params": {"beta": -1.0, "head_lr": -1.0, "fixed": "sse-c"}}
@@ -247,7 +247,7 @@ def test_a_resumed_run_from_before_none_reads_the_old_sentinel_as_none():
 
 def test_a_plain_params_dataclass_with_comments_still_works():
     """The style of plugins written before declarations: converted like the default, described by the comment."""
-    from fedlt.core.api import Method
+    from fedlt.core.method import Method
 
     class Old(Method):
         name = "old"

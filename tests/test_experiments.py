@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import fedlt.experiments
-from fedlt import experiment, safefile
+from fedlt import rundir, safefile
 from fedlt.cli import main as cli_main
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.errors import ConfigError
-from fedlt.experiment import federation_for, prepare
+from fedlt.rundir import federation_for, prepare
 from fedlt.experiments import report as R
-from fedlt.experiments.runstate import load_final_state
+from fedlt.runstate import load_final_state
 from fedlt.experiments.sweep import Sweep, parse_sweep, plan, run_plan
 from fedlt.registry import METHODS
 
@@ -132,8 +132,8 @@ def test_sweep_skips_finished_runs_and_reruns_only_missing(sweep_dir, monkeypatc
     assert len(runs) == 4 and len({r.dir for r in runs}) == 4
     assert all(r.status() == "done" for r in runs)
     calls = []
-    real = experiment.run
-    monkeypatch.setattr(experiment, "run", lambda cfg, *a, **k: calls.append(cfg.name) or real(cfg, *a, **k))
+    real = rundir.run
+    monkeypatch.setattr(rundir, "run", lambda cfg, *a, **k: calls.append(cfg.name) or real(cfg, *a, **k))
     assert run_plan(runs, **QUIET) == {"skipped": 4, "resumed": 0, "started": 0, "elsewhere": 0, "diverged": 0}
     assert calls == []
     victim = runs[2]

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("flwr")
 
 from conftest import run_small  # noqa: E402
-from fedlt.experiments.runstate import load_final_state  # noqa: E402
+from fedlt.runstate import load_final_state  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from fedlt.cli import main as cli_main
-from fedlt.experiments import preempt
+from fedlt import preempt
 from fedlt.experiments import report as R
-from fedlt.experiments.runstate import load_checkpoint
+from fedlt.runstate import load_checkpoint
 from fedlt.experiments.sweep import load_sweep, plan, run_plan
 
 from slowsite import slow_env, sweep_grid

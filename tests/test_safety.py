@@ -21,8 +21,8 @@ from fedlt.data.datasets import load_dataset
 from fedlt.engine import Simulation
 from fedlt.errors import ConfigError, DataError, Diverged
 from fedlt.experiments import report as R
-from fedlt.experiments.divergence import DivergenceCheck, nonfinite_entry
-from fedlt.experiments.runstate import CHECKPOINT, PREVIOUS, load_checkpoint, load_final_state
+from fedlt.divergence import DivergenceCheck, nonfinite_entry
+from fedlt.runstate import CHECKPOINT, PREVIOUS, load_checkpoint, load_final_state
 from fedlt.experiments.sweep import parse_sweep, plan, run_plan, visible_gpus, worker_devices
 
 QUIET = dict(progress=False, echo=lambda *a, **k: None)
@@ -175,7 +175,7 @@ def test_malicious_flower_client_state_and_client_data_are_refused(tmp_path):
     pytest.importorskip("flwr")
     from flwr.app import RecordDict
 
-    from fedlt.core.api import RunSpec
+    from fedlt.core.method import RunSpec
     from fedlt.flower.client_app import load_client_dir
     from fedlt.flower.records import load_client_state, save_client_state, state_file
 

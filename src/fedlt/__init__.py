@@ -27,7 +27,7 @@ __all__ = [
     # running and reading experiments (fedlt.api)
     "run", "compare", "sweep", "report", "load", "make_config", "list_methods", "reproduce",
     "RunResult", "Comparison", "Metrics", "MethodInfo", "RunConfig", "Reproduced",
-    # writing a method (fedlt.core.api, fedlt.core.training)
+    # writing a method (fedlt.core.method, fedlt.core.training)
     "Method", "Message", "Predictor", "RunSpec", "train_local", "weights_of", "load_weights",
     "LocalSteps", "Train", "Trained", "StepModel", "ce", "strip", "setting",
     # registries (METHODS.register) and errors

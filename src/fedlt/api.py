@@ -133,7 +133,7 @@ class RunResult:
     def status(self) -> str:
         if self.summary is not None:
             return str(self.summary.get("status", "finished"))
-        from .experiments.runstate import LEGACY, has_checkpoint
+        from .runstate import LEGACY, has_checkpoint
 
         return "partial" if has_checkpoint(self.dir) or (self.dir / LEGACY[0]).is_file() else "not started"
 
@@ -280,17 +280,17 @@ def run(config: RunConfig | Mapping | str | os.PathLike | None = None, /, *, pro
     (``on_diverge="stop"``, the default) raises :class:`~fedlt.errors.Diverged` (exit status 3 on the command
     line) once its summary says so; :func:`load` of its directory then gives a result with status
     ``diverged``."""
-    from . import experiment
+    from . import rundir
 
     cfg = make_config(config, **settings)
     if resume and not cfg.name:
         raise ConfigError("resuming needs a run name (--name, name=...), so that a rerun finds the same run "
                           "directory")
     if checkpoint_every is None:
-        from .experiments.preempt import DEFAULT_CHECKPOINT_EVERY as checkpoint_every
+        from .preempt import DEFAULT_CHECKPOINT_EVERY as checkpoint_every
     if checkpoint_every < 0:
         raise ConfigError(f"checkpoint-every must be >= 0, got {checkpoint_every}")
-    summary = experiment.run(cfg, progress=progress, echo=echo or _quiet, checkpoint_every=checkpoint_every,
+    summary = rundir.run(cfg, progress=progress, echo=echo or _quiet, checkpoint_every=checkpoint_every,
                              resume=resume)
     return RunResult(summary["run_dir"])
 
@@ -382,7 +382,7 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
           if counts.get("diverged") else ""))
     rep = None
     if report:
-        from .experiments.runstate import run_lock
+        from .runstate import run_lock
 
         with run_lock(Path(sw.out) / "report", wait=True):  # two sweeps on one folder: one report writer at a time
             rep = write_report(sw.out, which=metric, echo=echo)
@@ -435,7 +435,7 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
     Resumable and parallel as :func:`sweep`. ``dry_run``: list the runs and where the data is; write nothing.
     Missing data raises a one-line :class:`~fedlt.errors.DataError` before anything is written."""
     from .experiments import reproduce as R
-    from .experiments.runstate import run_lock
+    from .runstate import run_lock
     from .experiments.sweep import plan as plan_runs
 
     echo = echo or _quiet

@@ -2,8 +2,9 @@
 
 A fedlt ``Message.meta``, a client state (what ``init_client`` / ``local_train`` return) or a server state is
 a tree of dicts, lists and tuples whose leaves are numbers, strings, None, torch tensors or numpy arrays.
-:func:`pack` turns such a tree into a JSON string plus a flat ``{path: tensor}`` dict (the tensors go into a
-Flower ``ArrayRecord``, the JSON into a ``ConfigRecord``); :func:`unpack` rebuilds the very same tree:
+:func:`pack` turns such a tree into a JSON string plus a flat ``{path: tensor}`` dict -- the tensors go into a
+Flower ``ArrayRecord`` and the JSON into a ``ConfigRecord`` (:mod:`fedlt.flower.records`), or both into one
+safetensors file (:mod:`fedlt.safefile`); :func:`unpack` rebuilds the very same tree:
 tensors bit for bit with their dtype, ints stay ints, tuples stay tuples, numpy arrays stay numpy arrays.
 
 Leaves of any other type (an ``nn.Module``, an optimiser object) cannot leave a process; they raise a
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 _T, _NP, _TUPLE, _DICT, _FLOAT = "__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__"
 

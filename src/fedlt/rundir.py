@@ -1,5 +1,8 @@
-"""From a RunConfig to a finished run: build data, model spec and method, drive the engine, write the run
-directory (resolved config, partition counts, metrics as JSON lines, summary, final weights).
+"""One run and its directory: from a RunConfig to a finished run. Build data, model spec and method
+(:func:`prepare`), drive the engine, and write the run directory -- the same for every engine
+(:func:`run_recorded`: resolved config, partition counts, metrics as JSON lines, checkpoints and resume,
+summary, final weights). Beside it: :mod:`fedlt.runstate` (the files), :mod:`fedlt.divergence` (the check that
+stops a diverged run), :mod:`fedlt.preempt` (a scheduler's signal). Many runs are :mod:`fedlt.experiments`.
 
 Everything that can fail on bad input (names, settings, missing or corrupt data) fails in :func:`prepare`,
 before the run directory exists, so nothing is half-written.
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 
 from .config import RunConfig, parse_milestones
-from .core.api import Method, RunSpec
+from .core.method import Method, RunSpec
 from .data import Federation, build_federation
 from .data.partition import partition_settings
 from .data.split import default_lt_profile, partition_document
@@ -166,16 +169,16 @@ def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | 
     """Run one experiment end to end and return its summary.
 
     ``checkpoint_every`` N > 0 writes a checkpoint in the run directory every N rounds and after the last
-    (see :mod:`fedlt.experiments.runstate`); with ``resume`` a run whose directory holds one continues from it
+    (see :mod:`fedlt.runstate`); with ``resume`` a run whose directory holds one continues from it
     (the settings must be the same) and ends with the metrics it would have reached uninterrupted. ``labels``
     (method, setting, seed) are stored in config.json for ``fedlt report``. ``summary.json`` is written last:
     its presence marks a finished run (the checkpoints are then deleted). A run directory is used by one
     process at a time (a lock beside it); a second process is refused with a one-line error.
 
-    A run that diverges (:mod:`fedlt.experiments.divergence`) with ``cfg.on_diverge == "stop"`` writes a
+    A run that diverges (:mod:`fedlt.divergence`) with ``cfg.on_diverge == "stop"`` writes a
     summary with ``status: diverged``, keeps its last good checkpoint and raises
     :class:`~fedlt.errors.Diverged` (exit status 3 on the command line)."""
-    from .experiments.runstate import owned_run_dir
+    from .runstate import owned_run_dir
 
     pr = prepared or prepare(cfg)
     out = run_dir_for(cfg)
@@ -200,9 +203,9 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     ``metrics.jsonl``, a checkpoint every ``checkpoint_every`` rounds and after the last, the resumption from
     one (``resume``), the divergence check, ``final_state.safetensors`` and ``summary.json`` (with ``extra``),
     written last. The caller holds the run directory's lock."""
-    from .experiments.divergence import DivergenceCheck
-    from .experiments.preempt import Preempted, deferred, run_stopped
-    from .experiments.runstate import (MetricsLog, head_like, load_checkpoint, remove_checkpoints,
+    from .divergence import DivergenceCheck
+    from .preempt import Preempted, deferred, run_stopped
+    from .runstate import (MetricsLog, head_like, load_checkpoint, remove_checkpoints,
                                        save_checkpoint, save_final_state)
 
     for stale in out.glob("*.tmp"):  # left by a process killed mid-write (we hold the run's lock: none is ours)
@@ -281,7 +284,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
 def client_heads(transport, fed: Federation, num_classes: int, n: int = PLOTTED_CLIENTS) -> dict:
     """The classifier-like tensors of the ``n`` largest clients that have a state (the report plots the
     largest one's): read from those clients only, whatever the population."""
-    from .experiments.runstate import head_like
+    from .runstate import head_like
 
     states = getattr(transport, "client_states", None) or {}
     sizes = np.asarray(fed.counts).sum(1) if len(fed.counts) else None

@@ -26,12 +26,12 @@ from typing import Any, Iterator
 
 import torch
 
-from ..config import SETTINGS
-from ..decl import read_old
-from ..errors import ConfigError
-from ..jsonutil import jsonable
-from ..registry import METHODS
-from ..safefile import load_tree, save_tree
+from .config import SETTINGS
+from .decl import read_old
+from .errors import ConfigError
+from .jsonutil import jsonable
+from .registry import METHODS
+from .safefile import load_tree, save_tree
 
 CHECKPOINT = "checkpoint.safetensors"
 PREVIOUS = "checkpoint.prev.safetensors"
@@ -65,7 +65,7 @@ def _plain(v):
 # ------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(run_dir: Path, sim_state: dict, config: dict, elapsed: float) -> None:
     """Write the new checkpoint in full, then rotate: newest -> previous, new -> newest. The caller
-    (:func:`fedlt.experiment.run_recorded`) writes it under :func:`fedlt.experiments.preempt.deferred`, so a
+    (:func:`fedlt.rundir.run_recorded`) writes it under :func:`fedlt.preempt.deferred`, so a
     scheduler's signal arriving meanwhile takes effect once the checkpoint is in place."""
     run_dir = Path(run_dir)
     save_tree(run_dir / NEXT, {"sim": sim_state, "config": config, "elapsed": elapsed}, "checkpoint")

@@ -2,7 +2,7 @@
 states, the fixed-classifier cache) is one safetensors file.
 
 A tree of dicts, lists and tuples whose leaves are tensors, numpy arrays, numbers, strings, booleans and None
-(the state rule of :mod:`fedlt.core.api`) is split by :func:`fedlt.flower.codec.pack` into a JSON skeleton
+(the state rule of :mod:`fedlt.core.method`) is split by :func:`fedlt.codec.pack` into a JSON skeleton
 and a flat ``{path: tensor}`` dict. The tensors are the safetensors payload (raw bytes plus dtype and shape);
 the skeleton, the kind of file, the format version and the device each tensor lived on go into the file's
 string metadata. Reading it back parses JSON and copies bytes into tensors: no pickle, nothing that names a
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .codec import pack, unpack
 from .errors import ConfigError
 
 VERSION = "1"
@@ -32,8 +33,6 @@ _ZIP, _PICKLE = b"PK\x03\x04", b"\x80"
 
 
 def _payload(obj: Any, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from .flower.codec import pack
-
     skeleton, arrays = pack(obj, kind, keep_device=True)
     devices, tensors, seen = {}, {}, set()
     for k, t in arrays.items():
@@ -114,8 +113,6 @@ def loads(data: bytes, kind: str, notes: list[str] | None = None) -> Any:
 def _decode(data: bytes, kind: str, where: str, hint: str, notes: list[str] | None) -> Any:
     from safetensors import SafetensorError
     from safetensors.torch import load
-
-    from .flower.codec import unpack
 
     try:
         try:

@@ -184,7 +184,7 @@ def main(args: argparse.Namespace) -> int:
         finally:
             shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)
     if cmd == "simulate":
-        from ..experiments.preempt import Preempted
+        from ..preempt import Preempted
         from ..flower.simulation import backend_config_of, run_simulation
 
         backend = backend_config_of(args.cpus_per_client, args.gpus_per_client, args.ray_address, args.backend_config)

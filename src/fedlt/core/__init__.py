@@ -1,6 +1,6 @@
 """Shared machinery: the method interface, messages, aggregation, the local training loop, fixed heads."""
 from .aggregation import weighted_average
-from .api import Message, Method, Predictor, RunSpec, derive_seed, load_weights, weights_of
+from .method import Message, Method, Predictor, RunSpec, derive_seed, load_weights, weights_of
 from .steps import LocalSteps, StepModel, Train, Trained, ce, strip
 from .training import Meter, ce_loss, make_optimizer, train_local
 

@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from .api import Message
+from .method import Message
 
 
 def head_ce_grads(feats: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..models import Model
-from .api import Message, Method, Predictor, load_weights, weights_of
+from .method import Message, Method, Predictor, load_weights, weights_of
 from .steps import LocalSteps, Train, ce
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..metrics import features
-from .api import Predictor
+from .method import Predictor
 
 
 def local_features(backbone: nn.Module, data, batch_size: int = 1000) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 weights out of and into a model.
 
 The core is layered one way: this module, then the training loop (:mod:`fedlt.core.training`), then the
-local-step description (:mod:`fedlt.core.steps`), then the method interface (:mod:`fedlt.core.api`), which
+local-step description (:mod:`fedlt.core.steps`), then the method interface (:mod:`fedlt.core.method`), which
 re-exports these names. None of them imports a layer above it.
 """
 from __future__ import annotations

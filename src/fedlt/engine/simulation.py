@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.api import Message, Method
+from ..core.method import Message, Method
 from ..core.training import autocast
 from ..metrics import evaluate
 from .batched import Job, train_batched

@@ -42,7 +42,7 @@ from flwr.app import Context, Message as FlwrMessage, RecordDict
 from flwr.clientapp import ClientApp
 
 from ..config import RunConfig
-from ..core.api import Message, Method, RunSpec
+from ..core.method import Message, Method, RunSpec
 from ..data.federated import ClientData, Prep
 from ..data.partition import partition_settings
 from ..core.training import autocast
@@ -106,7 +106,7 @@ def _method(job: Job, device: str) -> Method:
 
 
 def _partition_client(job: Job, pid: int, device: str) -> ClientData:
-    from ..experiment import federation_for
+    from ..rundir import federation_for
 
     cfg = job.cfg
     if not 0 <= pid < cfg.clients:

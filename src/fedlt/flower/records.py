@@ -1,6 +1,6 @@
 """fedlt values <-> Flower records.
 
-A fedlt :class:`~fedlt.core.api.Message` becomes three records of one ``RecordDict``:
+A fedlt :class:`~fedlt.core.method.Message` becomes three records of one ``RecordDict``:
 
 ==================  ==================  ===============================================================
 record              type                holds
@@ -26,9 +26,9 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from ..core.api import Message
+from ..codec import pack, unpack
+from ..core.method import Message
 from ..engine.clientstate import ClientStates
-from .codec import pack, unpack
 
 CONTROL = "fedlt"
 CSTATE, CSTATE_ARRAYS = "fedlt.cstate", "fedlt.cstate.arrays"

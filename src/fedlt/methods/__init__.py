@@ -3,7 +3,7 @@ so a new method needs no change anywhere else: drop a file that registers itself
 import importlib
 import pkgutil
 
-from ..core.api import Method
+from ..core.method import Method
 from ..registry import METHODS
 
 

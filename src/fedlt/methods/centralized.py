@@ -52,7 +52,7 @@ class Centralized(Method):
     def aggregate(self, state, rnd, replies):
         if self.pool is None:
             raise ConfigError("centralized needs the pooled training data: run it through `fedlt run` or "
-                              "fedlt.experiment.prepare, which attach it (method.pool = federation.pooled())")
+                              "fedlt.rundir.prepare, which attach it (method.pool = federation.pooled())")
         net = self.net
         load_weights(net, state["weights"])
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, POOL_TRAIN, rnd))
