@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fedlt"
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -167,6 +168,79 @@ def test_an_init_reexport_closes_a_circle(tmp_path):
     lines = cycle_report(_package(tmp_path, files)).splitlines()
     assert lines == ["import circle: pkg (line 1) -> pkg.core (line 1) -> pkg.util (line 1) -> pkg",
                      "import circle: pkg.p (line 1) -> pkg.q (line 1) -> pkg.p"]
+
+
+# ------------------------------------------------------------------------------ layers: imports point down
+def read_layers(doc: Path) -> list[tuple[str, list[str]]]:
+    """The layer table of ``doc`` (docs/architecture.md, between ``<!-- layers`` and ``<!-- /layers -->``), top
+    to bottom: ``[(layer, [path, ...])]``, a path relative to the package (``core/``: every module in it)."""
+    text = doc.read_text()
+    start = text.index("<!-- layers")
+    rows = text[start:text.index("<!-- /layers -->", start)].splitlines()[1:]
+    layers = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) != 2 or cells[0] in ("layer", "---"):
+            continue
+        layers.append((cells[0], [p.strip().strip("`") for p in cells[1].split(",")]))
+    return layers
+
+
+def module_path(root: Path, mod: str) -> str:
+    """A module's file relative to the package folder ``root`` (``pkg.core.steps`` -> ``core/steps.py``)."""
+    rel = Path(*mod.split(".")[1:])
+    return (rel / "__init__.py").as_posix() if (root / rel).is_dir() else rel.with_suffix(".py").as_posix()
+
+
+def layer_report(root: Path, layers: list[tuple[str, list[str]]]) -> str:
+    """One line per module that no layer holds, per layer entry that names nothing, and per import from a lower
+    layer into a higher one (modules, layers, file and line). Empty: the imports point down."""
+    graph = import_graph(root)
+    paths = {mod: module_path(root, mod) for mod in graph}
+
+    def level(path: str) -> int | None:  # the most specific entry that holds the path decides
+        found = [(len(e), i) for i, (_, entries) in enumerate(layers) for e in entries
+                 if path == e or (e.endswith("/") and path.startswith(e))]
+        return max(found)[1] if found else None
+
+    lines = [f"{m} ({paths[m]}) is in no layer: add it to the table" for m in sorted(graph) if level(paths[m]) is None]
+    lines += [f"layer {name!r} names {e}, which holds no module" for name, entries in layers for e in entries
+              if not any(p == e or (e.endswith("/") and p.startswith(e)) for p in paths.values())]
+    for mod in sorted(graph):
+        low = level(paths[mod])
+        for dep, line in sorted(graph[mod].items()):
+            high = level(paths[dep])
+            if low is not None and high is not None and high < low:
+                lines.append(f"upward import: {mod} (layer {layers[low][0]!r}) imports {dep} (layer "
+                             f"{layers[high][0]!r}, above it) at {paths[mod]} line {line}")
+    return "\n".join(lines)
+
+
+def test_imports_point_down_the_layers_of_the_architecture_page():
+    """Every module is in one layer of docs/architecture.md's table, and imports only its own layer or those
+    below (an import inside a function counts too)."""
+    layers = read_layers(ARCHITECTURE)
+    assert len(layers) >= 8 and layers[0][0] == "command line" and "registry.py" in layers[-1][1], layers
+    report = layer_report(SRC, layers)
+    assert not report, (f"{report}\nLayers, top to bottom, are the table in docs/architecture.md: move what the "
+                        f"lower module needs down, or the module to the layer it belongs to")
+
+
+def test_a_planted_upward_import_is_named(tmp_path):
+    """A lower module importing a higher one (inside a function, relatively) is found and named; the same
+    import the other way passes; a module left out of the table, or an entry naming nothing, is reported."""
+    files = {"app.py": "from .core import base\n",
+             "core/__init__.py": "", "core/base.py": "import os\n\ndef f():\n    from .. import app\n",
+             "util.py": "X = 1\n"}
+    layers = [("top", ["app.py", "__init__.py"]), ("core", ["core/"]), ("bottom", ["util.py"])]
+    root = _package(tmp_path / "bad", files)
+    assert layer_report(root, layers) == ("upward import: pkg.core.base (layer 'core') imports pkg.app (layer "
+                                          "'top', above it) at core/base.py line 4")
+    files["core/base.py"] = "from ..util import X\n"
+    assert layer_report(_package(tmp_path / "good", files), layers) == ""
+    lines = layer_report(_package(tmp_path / "odd", files), layers[:2] + [("bottom", ["helpers.py"])]).splitlines()
+    assert lines == ["pkg.util (util.py) is in no layer: add it to the table",
+                     "layer 'bottom' names helpers.py, which holds no module"]
 
 
 # ------------------------------------------------------------------------------ methods stand on core

@@ -16,6 +16,8 @@ shows the problem.
 from __future__ import annotations
 
 import difflib
+import importlib
+import pkgutil
 import sys
 from typing import Any, Callable
 
@@ -66,6 +68,17 @@ class Registry:
     def add_loader(self, fn: Callable[[], None]) -> None:
         """A function that imports the modules holding the registrations (run once, lazily)."""
         self._loaders.append(fn)
+
+    def add_package(self, package: str, path) -> None:
+        """At the first lookup, import every module of ``package`` (``path``: its ``__path__``; modules named
+        ``_...`` excepted): a module that registers here -- a method file, a dataset loader -- is found without
+        being listed anywhere."""
+        def load() -> None:
+            for m in pkgutil.iter_modules(path):
+                if not m.name.startswith("_"):
+                    importlib.import_module(f"{package}.{m.name}")
+
+        self.add_loader(load)
 
     def _load(self) -> None:
         while self._loaders:

@@ -4,10 +4,11 @@ traditional cross entropy loss").
 
 One node holds the union of all clients' training data (``Federation.pooled()``: the same long-tailed set
 the federation was cut from). The method asks for it with the class attribute ``needs_pool = True``; the
-experiment layer then hands the pool to the method (``method.pool``) before the run. The server trains on it:
-every round, ``epochs_per_round`` epochs of mini-batch SGD with CE (the run's batch size, lr and momentum).
-At the fmnist-lt defaults (half the clients per round, 2 local epochs) one epoch over the pool is the
-number of sample visits of one FedAvg round, so the default 1 gives both the same training budget.
+run layer (``fedlt.rundir.prepare``) then hands the pool to the method (``method.pool``) before the run. The
+server trains on it: every round, ``epochs_per_round`` epochs of mini-batch SGD with CE (the run's batch size,
+the round's lr, the run's momentum). At the fmnist-lt defaults (half the clients per round, 2 local epochs)
+one epoch over the pool is the number of sample visits of one FedAvg round, so the default 1 gives both the
+same training budget.
 Clients: nothing to do; they receive nothing and reply only a zero sample count.
 Stability: this is plain SGD over 50+ epochs with no federated averaging to damp it. On fmnist-lt at the
 protocol's lr 0.05 / momentum 0.9 it reached GM 82 by round 15, then fell and ended predicting one class
@@ -33,7 +34,7 @@ POOL_TRAIN = 21  # purpose key of the server's training generator
 @METHODS.register("centralized")
 class Centralized(Method):
     name = "centralized"
-    needs_pool = True  # the experiment layer sets self.pool = Federation.pooled()
+    needs_pool = True  # the run layer (rundir.prepare) sets self.pool = Federation.pooled()
 
     @dataclass
     class Params:
