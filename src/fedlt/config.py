@@ -10,10 +10,11 @@ from typing import Any
 
 from .core.spec import LR_SCHEDULES, scheduled_lr
 from .decl import byte_size, check_values, coerce, rows, settings_of, setting, words
-from .engine.clientstate import DEFAULT_BUDGET
 from .errors import ConfigError
 from .papers import presets as paper_presets
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS
+
+DEFAULT_BUDGET = 2_000_000_000  # bytes of client states in memory: --client-state-memory 2GB (engine.clientstate)
 
 
 def parse_milestones(value: Any) -> tuple[int, ...]:

@@ -45,10 +45,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..config import DEFAULT_BUDGET
 from ..errors import ConfigError
 from ..safefile import fsync, fsync_dir, load_tree, save_tree
-
-DEFAULT_BUDGET = 2_000_000_000  # bytes: --client-state-memory 2GB
 KIND = "client-state"
 OVERHEAD = 64  # bytes counted for a state beyond its arrays (a state of plain values costs memory too)
 KEEP_COMMITS = 3  # the newest checkpoint, the previous one, and the one before while the newest is written
