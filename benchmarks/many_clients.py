@@ -113,7 +113,7 @@ def interleaved(methods: list[str], ks: list[int], per_client: int, rounds: int)
 
     from fedlt.config import load_config
     from fedlt.engine import EngineConfig, Simulation
-    from fedlt.experiment import prepare
+    from fedlt.rundir import prepare
 
     torch.set_num_threads(1)
     print(f"\ns/round measured in one process, rounds taken in turn ({rounds} each; median wall / median CPU)")
