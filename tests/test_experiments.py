@@ -267,6 +267,20 @@ def test_report_figures_are_valid_pngs(sweep_dir):
         assert f"figures/{p.name}" in page
 
 
+def test_run_json_has_a_line_per_row_and_reads_back_as_written():
+    """jsonutil.dumps (partition.json, summary.json): the same JSON as json.dumps, with each list of plain values
+    on one line -- rows of numbers cut between rows, never inside a string that looks like one."""
+    from fedlt.jsonutil import dumps, jsonable
+
+    doc = {"counts": np.arange(12).reshape(4, 3), "sizes": [3, 1], "empty": [[], [1]], "deep": [[[1]], [2]],
+           "words": [["a"], ["b], [c"]], "mixed": [np.arange(2), [3.5, None]], "t": {"u": {}, "v": ()}, "s": 'x"y'}
+    text = dumps(doc)
+    assert json.loads(text) == json.loads(json.dumps(doc, default=jsonable))
+    lines = text.splitlines()
+    assert "  [3, 4, 5]," in lines and ' "sizes": [3, 1],' in lines and '  ["b], [c"]' in lines
+    assert len(lines) == len(dumps(json.loads(text)).splitlines())  # numpy or lists: the same layout
+
+
 def test_the_partition_figure_of_a_large_population_draws_a_seeded_sample(tmp_path, monkeypatch):
     """A per-client figure of 100,000 clients costs what one of 100 costs: every client up to HEATMAP_CLIENTS,
     else that many drawn from the run's seed (sorted, distinct), said in the axis label and the caption."""
