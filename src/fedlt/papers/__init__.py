@@ -1,7 +1,9 @@
-"""The seed papers' experiments as data: their protocols (presets) and their published tables.
+"""The papers' experiments as data: their protocols (presets) and their published tables.
 
-One JSON file per paper (``fedloge.json``, ``redgrape.json``, ``feddr.json``, ``balancefl.json``), shipped
-with the package::
+One JSON file per paper, shipped with the package: the seed papers (``fedloge.json``, ``redgrape.json``,
+``feddr.json``, ``balancefl.json``) with presets and tables, and issue 32's (``fedrs``, ``fedlf``, ``gbme``,
+``dflfs``, ``fedgpa``) with presets only, from their official code (their texts, and so their tables' numbers,
+could not be read; each file's ``note`` says so)::
 
     {"paper": "full title (authors, venue)",
      "presets": {NAME: {"description": "...", "settings": {run setting: value},
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
-PAPERS = ("fedloge", "redgrape", "feddr", "balancefl")
+PAPERS = ("fedloge", "redgrape", "feddr", "balancefl", "fedrs", "fedlf", "gbme", "dflfs", "fedgpa")
 UNITS = {"fraction": 1.0, "percent": 0.01}
 
 
