@@ -24,6 +24,8 @@ positive and negative gradient magnitudes and their ratio, r_c = 100 at first) s
 Server: FedAvg (n_k-weighted) of the prompts and the classifier.
 Inference: the global prompts and classifier. No personal model.
 Communication: depth x P x width prompt floats plus the classifier, both ways (ViT-B/16, P = 10: 92,160 + 769 C).
+Local training is a loop of its own (each step's weights come from the statistics of the steps before it, which a
+batched step description cannot carry), so FedGPA's clients train one after another.
 
 Paper vs. official code (miilue/Federated-prompt-tuning-framework-under-long-tailed-datasets, ``fedgpa.py``,
 ``utils/gpa.py``, ``utils/update.py``, ``models/vpt_structure.py`` at fed00f9)

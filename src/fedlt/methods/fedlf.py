@@ -19,6 +19,8 @@ Server: w <- FedAvg (n_k-weighted). Class centres, from round ``warmup_rounds`` 
                   whose weights sum to <= 0 keeps its centre)
 Inference: the global model as it is (w^T f(x) + b). No personal model.
 Communication beyond FedAvg: up C x d floats (F^(k)), down C x d floats (G).
+Local training is a loop of its own (the running centres carry state from step to step, which a batched step
+description cannot), so FedLF's clients train one after another.
 
 Paper vs. official code (18sym/FedLF ``algorithm/our.py`` at 99f98b3, run as ``--algorithm our``; options.py)
 =========================  ===========================================  ==========================================
