@@ -121,6 +121,7 @@ def tiny_vit_file() -> str:
 
 _LIGHT = {"ccvr": {"per_class": 200}, "fedic": {"steps": 10}, "rucr": {"crt_epochs": 5}, "fedcrac": {"crt_epochs": 5},
           "dfl-fs": {"per_class": 100, "epochs": 5}, "fedgpa": {"tokens": 1},
+          "fedlf": {"warmup_rounds": 0},  # global centres from round 1 on: two-round tests (resume) carry them
           "clip2fl": {"match_epochs": 5, "crt_epochs": 10}}
 
 
