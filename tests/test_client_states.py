@@ -322,6 +322,47 @@ def test_resuming_with_a_damaged_state_file_stops_with_one_line_naming_the_clien
     assert len(err) == 1 and f"client {cid}'s state" in err[0], p.stderr
 
 
+def test_a_checkpoint_of_an_earlier_fedlt_with_every_state_in_it_resumes_into_the_run_directory(tmp_path,
+                                                                                                 monkeypatch):
+    """Before the store, a checkpoint held every client's state itself and a run directory had no
+    client-states/. Such a run resumes: the states it loads are written to client-states/ by the next
+    checkpoint (the store once removed that folder before loading them, and the next write failed), and the
+    run ends as the uninterrupted one."""
+    from fedlt.engine.driver import Driver
+    from fedlt.safefile import save_tree
+
+    ref = rundir.run(_run_cfg(tmp_path, "ref"), progress=False, echo=lambda *a: None)
+    cfg, orig = _run_cfg(tmp_path, "old"), Driver.train_round
+
+    class Stop(Exception):
+        pass
+
+    def dies_in_round_3(self):
+        if self.round == 2:
+            raise Stop
+        return orig(self)
+
+    monkeypatch.setattr(Driver, "train_round", dies_in_round_3)
+    with pytest.raises(Stop):
+        rundir.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1)
+    monkeypatch.setattr(Driver, "train_round", orig)
+    run_dir = tmp_path / "old"
+    ck = load_tree(run_dir / "checkpoint.safetensors", "checkpoint")  # rewritten as an earlier fedlt wrote it
+    versions = ck["sim"]["client_states"]["versions"]
+    assert versions
+    ck["sim"]["client_states"] = {str(cid): load_tree(run_dir / "client-states" / state_name(cid, tag), "client-state")
+                                  for cid, tag in versions.items()}
+    save_tree(run_dir / "checkpoint.safetensors", ck, "checkpoint")
+    for f in run_dir.glob("checkpoint.prev*"):
+        f.unlink()
+    for f in (run_dir / "client-states").iterdir():
+        f.unlink()
+    (run_dir / "client-states").rmdir()
+    out = rundir.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1, resume=True)
+    assert out["resumed_after_round"] == 2
+    assert _strip(out["final"]) == _strip(ref["final"])
+
+
 # ---------------------------------------------------------------------------------------------- scale
 def test_per_client_test_data_from_the_clients_own_samples_leaf_split():
     from fedlt.data.federated import own_test_split

@@ -71,6 +71,13 @@ def state_name(cid: int, tag: int) -> str:
     return f"c{int(cid)}.r{int(tag)}.safetensors"
 
 
+def _remove_state_files(folder: Path) -> None:
+    """Remove the state files in ``folder`` (and half-written ones), nothing else."""
+    for entry in os.scandir(folder):
+        if _FILE.match(entry.name) or entry.name.endswith(".tmp"):
+            os.unlink(entry.path)
+
+
 class _Held:
     __slots__ = ("state", "nbytes", "dirty")
 
@@ -229,9 +236,7 @@ class ClientStates(MutableMapping):
         new = Path(directory)
         try:
             if fresh and new.is_dir():
-                for entry in os.scandir(new):
-                    if _FILE.match(entry.name) or entry.name.endswith(".tmp"):
-                        os.unlink(entry.path)
+                _remove_state_files(new)
             new.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"cannot write client states to {new}: {e.strerror or e}; choose another --out") from None
@@ -298,12 +303,13 @@ class ClientStates(MutableMapping):
         self.restore({"versions": found})
 
     def clear(self) -> None:
-        """Forget every state and remove every file (a finished run's store)."""
+        """Forget every state and remove its files (before an older checkpoint's states are loaded). The
+        directory stays: the states loaded next are written there by the next commit."""
         self._held.clear()
         self._used = 0
         self._tags, self._files, self._commits = {}, {}, []
         if self._dir is not None and self._dir.is_dir():
-            shutil.rmtree(self._dir, ignore_errors=True)
+            _remove_state_files(self._dir)
 
     def load(self, states: dict) -> None:
         """Every state of a plain ``{client: state}`` dict (an older checkpoint's), as stored now."""
