@@ -43,20 +43,25 @@ def _evals(history):
 _FED = {}
 
 
-def _sim(method: str, **over) -> Simulation:
-    cfg = small_config(method=method, rounds=2, eval_every=1, local_epochs=1, params=method_test_params(method),
-                       **over)
+def _sim(method: str, params: dict | None = None, **over) -> Simulation:
+    cfg = small_config(method=method, rounds=2, eval_every=1, local_epochs=1,
+                       params={**method_test_params(method), **(params or {})}, **over)
     if "fed" not in _FED:
         _FED["fed"] = federation_for(cfg)
     pr = prepare(cfg, _FED["fed"])
     return Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
 
 
-@pytest.mark.parametrize("method", METHODS.names())
-def test_every_method_resumes_exactly(method):
+# options that add random draws of their own to a round (each resumes like its method's default)
+VARIANTS = {"creff+dsa": ("creff", {"dsa": True})}
+
+
+@pytest.mark.parametrize("variant", METHODS.names() + list(VARIANTS))
+def test_every_method_resumes_exactly(variant):
     """Round + server state + client states + method state + RNG states suffice: the state saved after round 1,
     loaded into a fresh Simulation (fresh method object) and continued, ends exactly as the run it came from."""
-    full, saved = _sim(method), {}
+    method, params = VARIANTS.get(variant, (variant, {}))
+    full, saved = _sim(method, params), {}
 
     def save_after_first(sim):
         if sim.round == 1:  # written as a checkpoint is (safetensors + JSON), read back by the safe loader
@@ -65,7 +70,7 @@ def test_every_method_resumes_exactly(method):
     full.after_round.append(save_after_first)
     ref = full.run()
     torch.manual_seed(12345)  # whatever the global RNG holds now must not matter
-    resumed = _sim(method)
+    resumed = _sim(method, params)
     resumed.load_state_dict(safefile.loads(saved["ck"], "checkpoint"))
     assert resumed.round == 1
     out = resumed.run()
