@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .core.spec import LR_SCHEDULES, scheduled_lr
 from .decl import byte_size, check_values, coerce, rows, settings_of, setting, words
 from .errors import ConfigError
@@ -142,6 +144,29 @@ class RunConfig:
                                                       "it spilled to the run directory (a resumed run may change "
                                                       "it)", parse=byte_size, unit="bytes", metavar="SIZE",
                                        group=TRAIN, result=False)
+    # clients that are away, drop out or straggle (fedlt.engine.faults, docs/dropout.md); all off by default
+    availability: str = setting("always", "each round a client is online with this probability: a number, always, or "
+                                          "a profile with mean --availability-mean: size (proportional to its "
+                                          "samples) or tail (lower for clients whose data leans to the tail "
+                                          "classes); only online clients are sampled",
+                                choices=("always", "size", "tail"), numbers=float, low=0, low_open=True, high=1,
+                                metavar="P|size|tail", group=TRAIN)
+    availability_mean: float = setting(0.5, "mean probability of being online under --availability size or tail",
+                                       low=0, low_open=True, high=1, group=TRAIN)
+    availability_skew: float = setting(5.0, "--availability tail: a client's weight is exp(-skew x its tail score "
+                                            "in [0, 1]); 0: every client alike", low=0, high=50, group=TRAIN)
+    drop_rate: float = setting(0.0, "probability that a sampled client trains but its reply never arrives", low=0,
+                               high=1, metavar="P", group=TRAIN)
+    speed_sigma: float = setting(0.0, "stragglers: each client's speed log-normal with median 1 and this sigma (a "
+                                      "speed-1 client trains 1,000 samples per simulated second)", low=0, high=10,
+                                 group=TRAIN)
+    speed_file: str | None = setting(None, "stragglers: the clients' speeds from a JSON file (a list, one per "
+                                           "client, or {client id: speed})", metavar="FILE.json", group=TRAIN)
+    round_deadline: float | None = setting(None, "replies later than this many simulated seconds are lost",
+                                           low=0, low_open=True, unit="seconds", metavar="SECONDS", group=TRAIN,
+                                           none_means="no deadline")
+    over_select: float = setting(1.0, "sample F times the clients a round wants and aggregate the first of them "
+                                      "to arrive within the deadline", low=1, limit=100, metavar="F", group=TRAIN)
     allow_large: bool = setting(False, "allow values past the limits (rounds, clients, local epochs, ...) that "
                                        "catch typos, on purpose", group=TRAIN, result=False)
     # evaluation and output
@@ -230,20 +255,49 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     return cfg
 
 
-def count_file_clients(path: str) -> int:
-    """How many clients a partition file holds (its content is checked when the federation is built)."""
+def read_json_file(path: str, what: str) -> Any:
+    """The JSON content of a file a setting names, or a one-line ConfigError ("``what`` file PATH not found")."""
     import json
 
     try:
-        doc = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ConfigError(f"partition file {path} not found") from None
+        raise ConfigError(f"{what} file {path} not found") from None
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"partition file {path} is not readable JSON: {e}") from None
+        raise ConfigError(f"{what} file {path} is not readable JSON: {e}") from None
+
+
+def count_file_clients(path: str) -> int:
+    """How many clients a partition file holds (its content is checked when the federation is built)."""
+    doc = read_json_file(path, "partition")
     clients = doc.get("clients", doc) if isinstance(doc, dict) else doc
     if not isinstance(clients, (dict, list)) or not clients:
         raise ConfigError(f"partition file {path}: expected a clients mapping or a list of index lists")
     return len(clients)
+
+
+def read_speeds(path: str, num_clients: int) -> np.ndarray:
+    """A speed file: a JSON list of one positive speed per client, or {client id: speed} for every client."""
+    doc = read_json_file(path, "speed")
+    if isinstance(doc, dict):
+        try:
+            doc = {int(k): v for k, v in doc.items()}
+        except ValueError:
+            raise ConfigError(f"speed file {path}: keys must be client ids 0..{num_clients - 1}") from None
+        if sorted(doc) != list(range(num_clients)):
+            raise ConfigError(f"speed file {path} must give a speed for each of the {num_clients} clients "
+                              f"0..{num_clients - 1}")
+        doc = [doc[k] for k in range(num_clients)]
+    if not isinstance(doc, list) or len(doc) != num_clients:
+        raise ConfigError(f"speed file {path} must hold a list of {num_clients} speeds (one per client) or "
+                          f"{{client id: speed}}")
+    try:
+        s = np.asarray([float(v) for v in doc])
+    except (TypeError, ValueError):
+        raise ConfigError(f"speed file {path}: every speed must be a number") from None
+    if not (np.isfinite(s).all() and (s > 0).all()):
+        raise ConfigError(f"speed file {path}: every speed must be a positive finite number")
+    return s
 
 
 def validate(cfg: RunConfig) -> None:
@@ -295,6 +349,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"lr-milestones apply to --lr-schedule step, not {cfg.lr_schedule}")
     if cfg.lr_schedule == "step" and not cfg.lr_milestones:
         raise ConfigError("--lr-schedule step needs --lr-milestones (e.g. 160,240)")
+    if cfg.speed_file is not None:
+        if cfg.speed_sigma > 0:
+            raise ConfigError("--speed-file and --speed-sigma exclude each other: the file gives the speeds")
+        read_speeds(cfg.speed_file, cfg.clients)
     check_device(cfg.device)
 
 

@@ -136,8 +136,13 @@ def run_summary(out: Path, method: str, wall_time: float, history: list[dict], f
     last-3 metrics, traffic, wall time."""
     traffic = {k: float(np.mean([h[f"bytes_{k}_per_client"] for h in history])) if history else 0.0
                for k in ("up", "down")}
+    rounds = [h for h in history if "arrived" in h]
+    clients = {k: float(np.mean([h[k] for h in rounds])) for k in ("sampled", "trained", "arrived")} if rounds else {}
+    sim = [h["sim_time"] for h in history if "sim_time" in h]
+    timed = {"sim_time": float(np.sum(sim))} if sim else {}
     return {"run_dir": str(out), "method": method, "status": "finished", "wall_time": wall_time,
-            "last3": mean_last(history), "final": final, "bytes_per_round_per_client": traffic, **extra}
+            "last3": mean_last(history), "final": final, "bytes_per_round_per_client": traffic,
+            **({"clients_per_round": clients} if clients else {}), **timed, **extra}
 
 
 def diverged_summary(out: Path, method: str, wall_time: float, history: list[dict], err, **extra) -> dict:

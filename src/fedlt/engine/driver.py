@@ -34,6 +34,7 @@ from ..core.method import Message, Method, derive_seed
 from ..errors import ConfigError
 from ..metrics import headline
 from .clientstate import DEFAULT_BUDGET
+from .faults import Faults, RoundPlan
 
 SAMPLING, TRAIN, PHASE, EVAL_SAMPLE = 10, 11, 12, 13
 TRAINING = "train"  # the ``kind`` of a training round's exchange; a phase's is its name
@@ -107,6 +108,7 @@ class EngineConfig:
     cuda_graphs: bool = False  # batched steps in static mode, replayed as CUDA graphs on CUDA (engine.graphs)
     client_state_memory: int = DEFAULT_BUDGET  # bytes of client states held in memory (engine.clientstate)
     eval_clients: float = 1.0  # PM over all clients (1), or a seeded sample: a fraction (< 1) or a count (> 1)
+    faults: Faults | None = None  # clients away, dropping out, straggling (engine.faults); None: every one answers
 
     @classmethod
     def of(cls, cfg, progress: bool = True) -> "EngineConfig":
@@ -117,7 +119,7 @@ class EngineConfig:
         return cls(cfg.rounds, cfg.participation, cfg.eval_every, cfg.seed, cfg.split, progress,
                    str(cfg.client_parallel), lr=partial(lr_at, cfg), cuda_graphs=bool(cfg.cuda_graphs),
                    client_state_memory=coerce(SETTINGS["client_state_memory"], cfg.client_state_memory),
-                   eval_clients=float(cfg.eval_clients))
+                   eval_clients=float(cfg.eval_clients), faults=faults if (faults := Faults.of(cfg)).active else None)
 
 
 Replies = list[tuple[int, Message]]  # (client id, reply), in client-id order
@@ -171,6 +173,10 @@ class Driver:
         # they reached; a client evaluated later that they did not reach is brought through them then
         self.phases_run: list[tuple[str, dict]] = []
         self.phased: set[int] = set()
+        # the federation's [K, C] training counts, for availability profiles and simulated times (engine.faults);
+        # read when a round first needs them (a Flower run learns them from its SuperNodes)
+        self.client_counts: Callable[[], np.ndarray] | None = None
+        self.plans: dict[int, RoundPlan] = {}  # each round's, drawn from the seed when first needed
         self.after_round: list[Callable[["Driver"], None]] = []
         # called with each round's record after training and before its evaluation (a divergence check)
         self.after_train: list[Callable[["Driver", dict], None]] = []
@@ -211,14 +217,28 @@ class Driver:
         values = self.round_config(kind, index)
         return {c: make_payload(c).with_config(values) for c in cids}
 
-    def exchange(self, kind: str, index: int, tag: str, cids: list[int], make_payload) -> tuple[Replies, dict]:
+    def exchange(self, kind: str, index: int, tag: str, cids: list[int], make_payload,
+                 plan: RoundPlan | None = None) -> tuple[Replies, dict]:
         """Payloads to the reachable clients of ``cids``, the replies back; the record's traffic and missing
-        fields."""
-        why = self.transport.reachable(cids)
+        fields. A training round's ``plan`` (engine.faults) decides which of the replies arrive; the others are
+        missing like those of a client that failed."""
+        why = self.transport.reachable(cids) if cids else {}
         payloads = self.payloads(kind, index, [c for c in cids if c not in why], make_payload)
-        replies, lost = self.transport.send_and_receive(kind, index, payloads)
+        replies, lost = self.transport.send_and_receive(kind, index, payloads) if payloads else ([], {})
         why.update(lost)
-        rec = {"bytes_down_per_client": sum(p.nbytes() for p in payloads.values()) / max(len(cids), 1),
+        extra = {}
+        if kind == TRAINING:
+            extra = {"sampled": len(cids), "trained": len(replies)}
+            if plan is not None:
+                kept, late, sim_time = self.cfg.faults.arrivals(plan, [c for c, _ in replies])
+                replies = [(c, r) for c, r in replies if c not in late]
+                why.update(late)
+                if plan.online is not None:
+                    extra["online"] = plan.online
+                if sim_time is not None:
+                    extra["sim_time"] = sim_time
+            extra["arrived"] = len(replies)
+        rec = {**extra, "bytes_down_per_client": sum(p.nbytes() for p in payloads.values()) / max(len(cids), 1),
                "bytes_up_per_client": sum(r.nbytes() for _, r in replies) / max(len(replies), 1),
                "missing": sorted(why)}
         if why:
@@ -228,18 +248,51 @@ class Driver:
 
     def note_missing(self, tag: str, why: dict[int, str]) -> None:
         self.missing[tag] = sorted(why)
+        by_reason: dict[str, list[int]] = {}
         for cid in sorted(why):
-            self.echo(f"{tag}: client {cid} missing ({why[cid]})")
+            by_reason.setdefault(why[cid], []).append(cid)
+        for reason, cids in by_reason.items():
+            who = f"client {cids[0]}" if len(cids) == 1 else f"clients {', '.join(map(str, cids))}"
+            self.echo(f"{tag}: {who} missing ({reason})")
+
+    def plan(self, rnd: int) -> RoundPlan | None:
+        """Round ``rnd``'s clients and who of them is heard (engine.faults); None when every sampled client
+        answers (the sampling schedule's clients)."""
+        faults = self.cfg.faults
+        if faults is None:
+            return None
+        if rnd not in self.plans:
+            per_round = clients_per_round(self.num_clients, self.cfg.participation)
+            self.plans[rnd] = faults.plan(rnd, self.schedule[rnd - 1], per_round, self.cfg.seed, self.counts)
+        return self.plans[rnd]
+
+    def counts(self) -> np.ndarray:
+        if self.client_counts is None:
+            raise ConfigError("this engine does not give the clients' counts that --availability size/tail and "
+                              "the straggler settings need")
+        return np.asarray(self.client_counts())
+
+    def sampled(self, rnd: int) -> list[int]:
+        """The clients sent round ``rnd``'s payload."""
+        plan = self.plan(rnd)
+        return self.schedule[rnd - 1] if plan is None else plan.sampled
 
     # ---------------------------------------------------------------- the run
     def train_round(self) -> dict:
         rnd = self.round + 1
-        cids = self.schedule[rnd - 1]
+        plan = self.plan(rnd)
+        cids = self.sampled(rnd)
         t0 = time.perf_counter()
         m = self.method
-        replies, comm = self.exchange(TRAINING, rnd, f"round {rnd}", cids, lambda c: m.configure(self.state, rnd, c))
-        if replies:  # a round nobody answered leaves the state as it was
+        replies, comm = self.exchange(TRAINING, rnd, f"round {rnd}", cids, lambda c: m.configure(self.state, rnd, c),
+                                      plan)
+        if replies:
             self.state = m.aggregate(self.state, rnd, replies)
+        else:  # a round nobody answered leaves the state as it was
+            note = "a round without replies leaves the server state as it was (no update)"
+            if note not in self.said:  # once per run
+                self.said.add(note)
+                self.echo(f"note: round {rnd}: {note}")
         self.round = rnd
         losses = [r.meta["loss"] for _, r in replies if "loss" in r.meta]
         return {"round": rnd, "clients": cids, "train_loss": float(np.mean(losses)) if losses else None,
@@ -255,7 +308,7 @@ class Driver:
         outside both that is evaluated later is personalised then (:meth:`catch_up`)."""
         if len(self.eval_clients) == self.num_clients:
             return list(range(self.num_clients))
-        return sorted(set(self.eval_clients).union(*self.schedule[:self.round]))
+        return sorted(set(self.eval_clients).union(*(self.sampled(r) for r in range(1, self.round + 1))))
 
     def run_phase(self, phase: str, index: int = 0) -> dict:
         m = self.method

@@ -139,6 +139,7 @@ class Simulation(Driver):
         states = ClientStates(cfg.client_state_memory)
         super().__init__(method, cfg, Batched(method, fed, cfg.seed, cfg.client_parallel, graphs, states),
                          len(fed.clients), log)
+        self.client_counts = lambda: fed.counts
 
     @property
     def graphs(self) -> StepGraphs | None:

@@ -291,6 +291,43 @@ def runs_csv(runs: list[Run], which: str) -> str:
     return buf.getvalue()
 
 
+def clients_table(runs: list[Run]) -> str | None:
+    """Who took part, per run: the mean per round of the clients sampled, trained and arrived (their replies
+    aggregated; fedlt.engine.faults), the fewest that arrived, the rounds without a reply and the simulated
+    time; None when every sampled client of every run answered (nothing to show)."""
+    rows = []
+    for r in runs:
+        c = (r.summary or {}).get("clients_per_round")
+        if not c or (c["arrived"] == c["sampled"] and "sim_time" not in r.summary):
+            continue
+        recs = _round_records(r.dir)
+        arrived = [h["arrived"] for h in recs if "arrived" in h]
+        sim = r.summary.get("sim_time")
+        rows.append(f"| {r.setting} | {r.method} | {r.seed} | {c['sampled']:.2f} | {c['trained']:.2f} | "
+                    f"{c['arrived']:.2f} | {min(arrived, default=0)} | {sum(a == 0 for a in arrived)} | "
+                    f"{'-' if sim is None else f'{sim:.1f}'} |")
+    if not rows:
+        return None
+    return "\n".join(["| setting | method | seed | sampled | trained | arrived | fewest arrived | rounds without "
+                      "replies | simulated s |", "|---|---|---|---|---|---|---|---|---|", *rows])
+
+
+def _round_records(run_dir: Path) -> list[dict]:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for x in lines:
+        try:
+            rec = json.loads(x)
+        except ValueError:
+            continue
+        if "round" in rec:
+            out.append(rec)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ the page
 METRIC_TEXT = {"last3": "the mean of the last 3 evaluated rounds", "final": "the final evaluation (after any "
                "post-training phase)"}
@@ -351,6 +388,12 @@ def write_report(root: str | Path, out: str | Path | None = None, which: str = "
         lines += ["Diverged (shown as \"diverged\", no number): " + "; ".join(
             f"{r.setting}/{r.method}/seed{r.seed} in round {r.summary['diverged']['round']}: "
             f"{r.summary['diverged']['reason']}" for r in diverged), ""]
+    clients = clients_table(runs)
+    if clients:
+        lines += ["## Clients per round", "", "Mean per round of the clients sampled, those that trained and those "
+                  "whose reply arrived and was aggregated (--availability, --drop-rate, --round-deadline, "
+                  "--over-select; docs/dropout.md); every round's numbers are in the run's metrics.jsonl.", "",
+                  clients, ""]
     lines += ["## Many / medium / few per setting", ""]
     for s in settings:
         lines += [f"### {s}", "", detail_md[s], ""]
@@ -365,5 +408,7 @@ def write_report(root: str | Path, out: str | Path | None = None, which: str = "
     (out / "report.md").write_text("\n".join(lines))
     echo(f"{METRIC_TEXT[which]}, mean ± std over seeds {seeds}; best per column in bold")
     echo(main_md)
+    if clients:
+        echo("clients per round (mean):\n" + clients)
     echo(f"report: {out / 'report.md'}")
     return out

@@ -67,6 +67,7 @@ class FedltStrategy(Strategy):
         self.transport = GridTransport(self)
         self.driver = Driver(self.method, EngineConfig.of(cfg, progress=False), self.transport, cfg.clients)
         self.driver.echo = echo
+        self.driver.client_counts = lambda: self.fed.counts  # known once the SuperNodes have described themselves
         self.nodes: dict[int, int] = {}  # client id -> node id (the latest SuperNode that said it is that client)
         self.described: set[int] = set()  # node ids that said who they are
         self.failed_nodes: dict[int, str] = {}  # node id -> why its describe failed (it is asked again)

@@ -1,0 +1,210 @@
+"""Clients that are away, drop out or straggle: who of a round's clients is online, trains and is heard back.
+
+Every engine's rounds go through :class:`fedlt.engine.driver.Driver`, which asks the :class:`Faults` of a run for
+each round's :class:`RoundPlan` and keeps out of the aggregation the replies that never arrive; the driver's
+``missing`` records are where they are counted, as for a real client that fails (a Flower deployment's). All of
+it is off by default (a run's clients and numbers are then those of a run without this module).
+
+The model (docs/dropout.md):
+
+- **availability** ``p_k``, the probability that client ``k`` is online in a round, drawn anew each round:
+  a constant ``P``, or a profile scaled so that the mean over the clients is ``--availability-mean`` ``m``
+  (:func:`availability`): ``size``, proportional to the client's number of training samples; ``tail``,
+  proportional to ``exp(-kappa * t_k)`` (``kappa`` = ``--availability-skew``, 5 by default: a client holding
+  only the rarest class is online 1/148 as often as one holding only the most frequent), where the tail score ``t_k`` (:func:`tail_scores`) is the mean
+  over the client's samples of ``log(f_max / f_c) / log(f_max / f_min)`` for the global class frequencies
+  ``f``: 0 for a client holding only the most frequent class, 1 for one holding only the rarest. Only online
+  clients can be sampled; when fewer are online than the round wants, all of them train (none: an empty round).
+- **drop-rate** ``P``: each sampled client trains, and its reply is lost with probability ``P``.
+- **stragglers**: client ``k`` has a speed ``s_k`` (log-normal with median 1 and ``--speed-sigma``, or read from
+  ``--speed-file``); its simulated time in a round is ``n_k * E / (RATE * s_k)`` seconds for ``n_k`` training
+  samples, ``E`` local epochs and ``RATE`` = 1,000 samples per second at speed 1 (no transfer term: every
+  client of a round sends and receives the same bytes, so it would shift every time alike). With
+  ``--round-deadline D`` a reply later than ``D`` simulated seconds is lost; ``--over-select F`` samples
+  ``ceil(F * n)`` clients for a round that wants ``n`` and aggregates the first ``n`` replies to arrive within
+  the deadline (the round closes at the ``n``-th reply, or at the deadline). The round's simulated time is that
+  of its last aggregated reply, or the deadline where fewer than ``n`` arrived.
+
+Every draw comes from generators of their own, keyed by the run's seed, a purpose and the round: the existing
+sampling stream is untouched, and a resumed run draws what the uninterrupted one drew (nothing to checkpoint).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import read_speeds
+
+ONLINE, DROP, SPEED, SELECT = 20, 21, 22, 23  # generator purposes (engine.driver uses 10-13)
+RATE = 1000.0  # samples trained per simulated second by a client of speed 1
+PROFILES = ("always", "size", "tail")
+
+
+@dataclass
+class RoundPlan:
+    """Who a round reaches: ``sampled`` (the clients sent the round's payload), how many were ``online``
+    (None: availability off), ``wanted`` (the replies the round aggregates at most), each sampled client's
+    simulated ``time`` (empty without a time model) and the clients whose reply is ``lost`` with why."""
+    sampled: list[int]
+    wanted: int
+    online: int | None = None
+    dropped: set[int] = field(default_factory=set)
+    time: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class Faults:
+    """The settings of the model above (``fedlt.config.RunConfig``'s block of them) and the federation's
+    counts, from which every round's plan is drawn."""
+    availability: str = "always"
+    availability_mean: float = 0.5
+    availability_skew: float = 5.0
+    drop_rate: float = 0.0
+    speed_sigma: float = 0.0
+    speed_file: str | None = None
+    round_deadline: float | None = None
+    over_select: float = 1.0
+    local_epochs: int = 1
+    _times: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, cfg) -> "Faults":
+        return cls(str(cfg.availability), float(cfg.availability_mean), float(cfg.availability_skew),
+                   float(cfg.drop_rate),
+                   float(cfg.speed_sigma), cfg.speed_file, None if cfg.round_deadline is None
+                   else float(cfg.round_deadline), float(cfg.over_select), int(cfg.local_epochs))
+
+    @property
+    def active(self) -> bool:
+        return self.selects or self.drop_rate > 0 or self.timed
+
+    @property
+    def selects(self) -> bool:
+        """Whether the round's clients are drawn here (availability or over-selection) instead of by the
+        driver's sampling schedule."""
+        return self.availability != "always" or self.over_select > 1
+
+    @property
+    def timed(self) -> bool:
+        return self.speed_sigma > 0 or self.speed_file is not None or self.round_deadline is not None \
+            or self.over_select > 1
+
+    # ------------------------------------------------------------------ per-client quantities
+    def availability_of(self, counts: np.ndarray) -> np.ndarray:
+        return availability(self.availability, self.availability_mean, counts, self.availability_skew)
+
+    def speeds(self, num_clients: int, seed: int) -> np.ndarray:
+        if self.speed_file is not None:
+            return read_speeds(self.speed_file, num_clients)
+        return np.exp(self.speed_sigma * np.random.default_rng([seed, SPEED]).standard_normal(num_clients))
+
+    def times(self, counts: np.ndarray, seed: int) -> np.ndarray:
+        """Each client's simulated seconds for a round's local training."""
+        work = np.asarray(counts).sum(1).astype(np.float64) * max(self.local_epochs, 1)
+        return work / (RATE * self.speeds(len(work), seed))
+
+    # ------------------------------------------------------------------ a round
+    def plan(self, rnd: int, base: list[int], per_round: int, seed: int, counts_of) -> RoundPlan:
+        """Round ``rnd``'s plan; ``base`` is the driver's sampling of the round (used unless availability or
+        over-selection choose the clients), ``counts_of()`` the federation's [K, C] training counts."""
+        counts = None
+        online = None
+        sampled, wanted = list(base), len(base)
+        if self.selects:
+            counts = np.asarray(counts_of())
+            K = len(counts)
+            rng = np.random.default_rng([seed, SELECT, rnd])
+            pool = np.arange(K)
+            if self.availability != "always":
+                p = self.availability_of(counts)
+                up = np.random.default_rng([seed, ONLINE, rnd]).random(K) < p
+                pool = np.flatnonzero(up)
+                online = int(len(pool))
+            want = min(K, math.ceil(self.over_select * per_round - 1e-9))
+            take = min(want, len(pool))
+            sampled = sorted(rng.choice(pool, size=take, replace=False).tolist()) if take else []
+            wanted = per_round
+        plan = RoundPlan(sampled, wanted, online)
+        if self.drop_rate > 0 and sampled:
+            lost = np.random.default_rng([seed, DROP, rnd]).random(len(sampled)) < self.drop_rate
+            plan.dropped = {c for c, x in zip(sampled, lost) if x}
+        if self.timed:
+            if counts is None:
+                counts = np.asarray(counts_of())
+            if self._times is None:
+                self._times = self.times(counts, seed)  # per client, fixed for the run
+            plan.time = {c: float(self._times[c]) for c in sampled}
+        return plan
+
+    def arrivals(self, plan: RoundPlan, answered: list[int]) -> tuple[list[int], dict[int, str], float | None]:
+        """Of the clients that ``answered`` (their reply came back from the transport), those the round
+        aggregates; the others with why they are lost; the round's simulated time (None: no time model)."""
+        why: dict[int, str] = {}
+        on_time = []
+        for c in answered:
+            if c in plan.dropped:
+                why[c] = "dropped out (--drop-rate)"
+            elif self.round_deadline is not None and plan.time[c] > self.round_deadline:
+                why[c] = f"missed the deadline ({plan.time[c]:.3g} s > {self.round_deadline:g} s)"
+            else:
+                on_time.append(c)
+        if self.timed:
+            on_time.sort(key=lambda c: (plan.time[c], c))
+        for c in on_time[plan.wanted:]:
+            why[c] = f"late: the round closed at its {plan.wanted} replies (--over-select)"
+        kept = sorted(on_time[:plan.wanted])
+        if not self.timed:
+            return kept, why, None
+        if len(kept) < plan.wanted and self.round_deadline is not None:
+            t = self.round_deadline  # the server waits until the deadline for the replies it lacks
+        else:
+            t = max((plan.time[c] for c in kept), default=0.0)
+        return kept, why, t
+
+
+def tail_scores(counts: np.ndarray) -> np.ndarray:
+    """Each client's tail score in [0, 1]: the mean over its samples of ``log(f_max / f_c) / log(f_max /
+    f_min)``, with ``f`` the global class frequencies (classes without samples left out); 0 where every class
+    is equally frequent."""
+    counts = np.asarray(counts, dtype=np.float64)
+    f = counts.sum(0)
+    present = f > 0
+    rarity = np.zeros_like(f)
+    span = math.log(f[present].max() / f[present].min()) if present.any() else 0.0
+    if span > 0:
+        rarity[present] = np.log(f[present].max() / f[present]) / span
+    n = counts.sum(1)
+    return np.where(n > 0, counts @ rarity / np.maximum(n, 1), 0.0)
+
+
+def availability(profile: str, mean: float, counts: np.ndarray, skew: float = 5.0) -> np.ndarray:
+    """Each client's probability of being online in a round: ``profile`` a number (the same for every client),
+    ``always`` (1), or ``size`` / ``tail``: ``min(1, c * w_k)`` for the weights ``w`` (training samples, or
+    ``exp(-skew * tail score)``), with ``c`` chosen so that the mean over the clients is ``mean`` (the weights
+    capped at 1 raise the others)."""
+    K = len(counts)
+    if profile == "always":
+        return np.ones(K)
+    if profile not in PROFILES:
+        return np.full(K, float(profile))
+    counts = np.asarray(counts, dtype=np.float64)
+    w = counts.sum(1) if profile == "size" else np.exp(-skew * tail_scores(counts))
+    return scaled_to_mean(w, mean)
+
+
+def scaled_to_mean(w: np.ndarray, mean: float) -> np.ndarray:
+    """``min(1, c * w)`` with the ``c`` that makes its mean ``mean`` (bisection; all ones if the weights cannot
+    reach it, e.g. ``mean`` 1)."""
+    w = np.maximum(np.asarray(w, dtype=np.float64), 0.0)
+    if w.sum() == 0 or np.mean(w > 0) <= mean:
+        return np.where(w > 0, 1.0, 0.0) if w.sum() else np.full(len(w), mean)
+    lo, hi = 0.0, 1.0 / w[w > 0].min()
+    for _ in range(100):
+        c = (lo + hi) / 2
+        if np.minimum(1.0, c * w).mean() < mean:
+            lo = c
+        else:
+            hi = c
+    return np.minimum(1.0, hi * w)
