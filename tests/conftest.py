@@ -1,6 +1,15 @@
 """Shared fixtures: small long-tailed federations that train in seconds on two CPU cores."""
 from __future__ import annotations
 
+import os
+
+# experiment trackers (fedlt.trackers) in tests: nothing leaves the machine, nothing starts by default
+for _k, _v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
+               "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1", "FEDLT_TENSORBOARD": "0"}.items():
+    os.environ.setdefault(_k, _v)
+os.environ.pop("MLFLOW_TRACKING_URI", None)  # the local store inside --out
+os.environ.pop("WANDB_API_KEY", None)
+
 import pytest
 import torch
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fedlt.config import RunConfig, SETTINGS, load_config
-from fedlt.decl import (ALLOW_LARGE, Setting, add_arguments, byte_size, check, coerce, from_values,
+from fedlt.decl import (ALLOW_LARGE, Setting, add_arguments, byte_size, check, coerce, from_values, given,
                         read_old, rows, setting, settings_of)
 from fedlt.errors import ConfigError
 from fedlt.registry import DATASETS
@@ -110,7 +110,10 @@ def test_argparse_options_and_help_come_from_the_declaration():
     p = argparse.ArgumentParser(prog="demo")
     add_arguments(p, Demo)
     args = p.parse_args(["--rate", "0.2", "--names", "csv", "--on"])
-    assert (args.rate, args.names, args.on, args.count) == ("0.2", "csv", True, None)  # text, coerced later
+    assert (args.rate, args.names, args.on, args.count) == ("0.2", ["csv"], True, None)  # text, coerced later
+    # a list setting: the option repeated or comma-separated, or both
+    again = given(p.parse_args(["--names", "csv", "--names", "tensorboard,csv"]), Demo)["names"]
+    assert coerce(settings_of(Demo)["names"], again) == ("csv", "tensorboard", "csv")
     text = p.format_help()
     assert "{a,b,c}" in text and "default 0.1; > 0" in text and "default: the variant's" in text
     assert ", ".join(DATASETS.names()) in " ".join(text.split()).replace("- ", "-")  # looked up when shown

@@ -373,6 +373,7 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
         return result()
     echo(f"{len(runs)} runs ({len(sw.methods)} methods x {len(sw.settings)} settings x {len(sw.seeds)} seeds) "
          f"in {sw.out}")
+    tracked = group_trackers(sw.out, runs)
     counts = run_plan(runs, checkpoint_every=every, progress=progress, echo=echo, threads=threads,
                       backend=be, **parallel)
     echo(f"{counts['started']} started, {counts['resumed']} resumed from a checkpoint, "
@@ -386,7 +387,21 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
 
         with run_lock(Path(sw.out) / "report", wait=True):  # two sweeps on one folder: one report writer at a time
             rep = write_report(sw.out, which=metric, echo=echo)
+    if tracked and report:  # (reproduce writes its report itself, then ends the group)
+        from .trackers import end_group
+
+        end_group(sw.out, Path(rep) if rep is not None else None)
     return result(counts, rep)
+
+
+def group_trackers(out: str, runs) -> bool:
+    """A sweep's runs tracked as one group (:func:`fedlt.trackers.start_group`); whether they are tracked."""
+    from .trackers import active, start_group
+
+    names = sorted({n for r in runs for n in active(r.cfg.tracker)} - {"tensorboard"})
+    if names:
+        start_group(out, names)
+    return bool(names)
 
 
 def _has_cuda() -> bool:
@@ -427,12 +442,14 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
               rounds: float | int | None = None, jobs: int | None = None, device: str | None = None,
               data_dir: str | None = None, out: str | None = None, overrides: Mapping[str, Any] | None = None,
               threads: int | None = None, checkpoint_every: int = 1, figures: bool = True, progress: bool = False,
-              dry_run: bool = False, echo: Echo | None = None, backend=None) -> Reproduced:
+              dry_run: bool = False, echo: Echo | None = None, backend=None,
+              tracker: str | Iterable[str] | None = None) -> Reproduced:
     """Run a seed paper's published table (``fedlt reproduce --list`` names them) as a sweep and write a report
     of our numbers beside the paper's (:mod:`fedlt.experiments.reproduce`). ``methods``/``settings``: a part of
     the table (default all of it); ``seeds`` default 0, 1, 2; ``rounds``: R rounds per run, or a fraction < 1
     of the paper's, for a first look; ``overrides``: run settings replaced for every run (the report says so).
-    Resumable and parallel as :func:`sweep`. ``dry_run``: list the runs and where the data is; write nothing.
+    Resumable and parallel as :func:`sweep`; ``tracker``: experiment trackers of every run, grouped under the
+    reproduction (:mod:`fedlt.trackers`). ``dry_run``: list the runs and where the data is; write nothing.
     Missing data raises a one-line :class:`~fedlt.errors.DataError` before anything is written."""
     from .experiments import reproduce as R
     from .runstate import run_lock
@@ -443,7 +460,7 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
     rep = R.plan_reproduction(table, methods=None if methods is None else _method_list(methods),
                               settings=None if settings is None else _method_list(settings),
                               seeds=None if seeds is None else [int(s) for s in seeds], rounds=rounds, out=out,
-                              device=None if elsewhere else device, data_dir=data_dir,
+                              device=None if elsewhere else device, data_dir=data_dir, tracker=tracker,
                               overrides=dict(overrides or {}), checkpoint_every=checkpoint_every)
     runs = plan_runs(rep.sweep)
     if dry_run:
@@ -459,6 +476,10 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
         report(rep.out, metric=rep.table.metric, figures=figures, echo=_quiet)
         rows = R.compare_rows(rep)
         path = R.write(rep, rows, echo=echo)
+    if any(r.cfg.tracker for r in runs):
+        from .trackers import end_group
+
+        end_group(rep.out, path.parent)
     cmp.report_dir = path.parent
     return Reproduced(rep, cmp, path, rows)
 

@@ -42,6 +42,9 @@ def _ratio_hint(rho: float) -> str:
 
 
 DATA, TRAIN, OUTPUT = "data", "training", "evaluation and output"
+# experiment trackers (fedlt.trackers): the package each needs, and how to install it
+TRACKERS = {"mlflow": ("mlflow", "pip install 'fedlt[mlflow]'"), "wandb": ("wandb", "pip install 'fedlt[wandb]'"),
+            "tensorboard": ("tensorboard", "pip install 'fedlt[tensorboard]'")}
 INT32 = 2**31 - 1
 
 
@@ -181,6 +184,12 @@ class RunConfig:
     preset: str | None = setting(None, "named settings: the fmnist-lt protocol, its official code's variant, a quick "
                                        "smoke test or a paper's protocol (`fedlt list` shows their values)",
                                  choices=lambda: tuple(PRESETS), result=False)
+    # experiment trackers (issue 34 item 1). result=False: where a run's numbers are also sent changes none of
+    # them, so a run may be resumed, and a finished sweep run reused, with other trackers
+    tracker: tuple[str, ...] = setting((), "experiment trackers that also receive the settings, every round's "
+                                           "metrics and the run's files (repeatable or comma-separated; none: "
+                                           "none)", choices=(*TRACKERS, "none"), group=OUTPUT, result=False,
+                                       none_means="tensorboard when installed")
 
     def dataset_kw(self) -> dict:
         """Settings passed to the dataset's loader."""
@@ -354,6 +363,17 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError("--speed-file and --speed-sigma exclude each other: the file gives the speeds")
         read_speeds(cfg.speed_file, cfg.clients)
     check_device(cfg.device)
+    check_trackers(cfg.tracker)
+
+
+def check_trackers(names) -> None:
+    """A tracker named but not installed: one line with the command that installs it, before anything runs."""
+    import importlib.util
+
+    for name in names:
+        module, install = TRACKERS.get(name, (None, ""))
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"--tracker {name} needs the {module} package, which is not installed: {install}")
 
 
 def fraction_or_count(name: str, value: float, clients: int, what: str = "") -> None:

@@ -463,7 +463,7 @@ def default_text(s: Setting) -> str:
     if v is None:
         return "None" + (f": {s.decl.none_means}" if s.decl.none_means else "")
     if isinstance(v, tuple):
-        return ",".join(map(str, v)) or "(none)"
+        return ",".join(map(str, v)) or (s.decl.none_means or "(none)")
     if isinstance(v, str):
         return v or '""'
     return str(v).lower() if isinstance(v, bool) else _num(v) if isinstance(v, float) else str(v)
@@ -548,7 +548,7 @@ def help_text(s: Setting) -> str:
     elif callable(d.choices):
         extra.append(", ".join(map(str, d.allowed())))
     if s.kind is not bool:
-        extra.append(f"default: {d.none_means}" if s.default is None and d.none_means else
+        extra.append(f"default: {d.none_means}" if s.default in (None, ()) and d.none_means else
                      f"default {default_text(s)}")
     r = range_text(d)
     if r and d.numbers is None:
@@ -606,6 +606,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, names: Iterable[st
         kw: dict[str, Any] = {"dest": s.name, "help": h, "metavar": metavar_of(s)}
         if typed:
             kw["type"] = _argparse_type(s)
+        elif s.kind is tuple:  # a list: the option repeated, or comma-separated (given() joins them)
+            kw["action"] = "append"
         g.add_argument(*flags, **kw)
     return groups
 
@@ -625,5 +627,6 @@ def _argparse_type(s: Setting):
 
 def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The declared options of ``cls`` that the command line gave (not None)."""
-    return {k: getattr(args, k) for k in settings_of(cls) if getattr(args, k, None) is not None}
+    return {k: ",".join(v) if isinstance(v, list) and s.kind is tuple else v
+            for k, s in settings_of(cls).items() if (v := getattr(args, k, None)) is not None}
 

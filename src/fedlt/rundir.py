@@ -1,7 +1,7 @@
 """One run and its directory: from a RunConfig to a finished run. Build data, model spec and method
 (:func:`prepare`), drive the engine, and write the run directory -- the same for every engine
-(:func:`run_recorded`: resolved config, partition counts, metrics as JSON lines, checkpoints and resume,
-summary, final weights). Beside it: :mod:`fedlt.runstate` (the files), :mod:`fedlt.divergence` (the check that
+(:func:`run_recorded`: resolved config, partition counts, metrics as JSON lines and the experiment trackers
+fed from them, checkpoints and resume, summary, final weights). Beside it: :mod:`fedlt.runstate` (the files), :mod:`fedlt.divergence` (the check that
 stops a diverged run), :mod:`fedlt.preempt` (a scheduler's signal). Many runs are :mod:`fedlt.experiments`.
 
 Everything that can fail on bad input (names, settings, missing or corrupt data) fails in :func:`prepare`,
@@ -212,6 +212,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     from .preempt import Preempted, deferred, run_stopped
     from .runstate import (MetricsLog, head_like, load_checkpoint, remove_checkpoints,
                                        save_checkpoint, save_final_state)
+    from .trackers import Trackers, active
 
     for stale in out.glob("*.tmp"):  # left by a process killed mid-write (we hold the run's lock: none is ours)
         stale.unlink(missing_ok=True)
@@ -238,7 +239,9 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     for note in notes:
         echo(f"note: {note}")
     driver.echo = echo
-    driver.log = log = MetricsLog(out, driver.history)
+    tracked = Trackers.start(active(cfg.tracker), out, cfg.name or out.name, Path(cfg.out), config,
+                             driver.history, resumed=ck is not None)
+    driver.log = log = MetricsLog(out, driver.history, tracked)
     C = fed.num_classes
     heads: dict = {}
     saved = {"round": ck["sim"]["round"] if ck is not None else None}
@@ -266,10 +269,13 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
         log.close()
         kept = (f"; its last good checkpoint (round {saved['round']}) is kept" if saved["round"] is not None
                 else "")
-        raise diverged_error(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, e, check.advice(),
-                             kept, **extra) from None
+        err = diverged_error(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, e, check.advice(),
+                             kept, **extra)
+        tracked.finish("FAILED")
+        raise err from None
     except Preempted as e:  # a scheduler's signal: the last completed round's checkpoint is on disk
         log.close()
+        tracked.finish("KILLED", files=())
         raise e.stopped(run_stopped(out, cfg.name, len(driver.history) + 1, cfg.rounds, saved["round"]))
     log.close()
     summary = run_summary(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, final, **extra)
@@ -282,6 +288,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     write_json(out / "summary.json", summary)
     remove_checkpoints(out)
     shutil.rmtree(out / CLIENT_STATES, ignore_errors=True)  # a finished run keeps no client state (nor checkpoint)
+    tracked.finish("FINISHED")
     echo(format_summary(summary))
     return summary
 

@@ -1,5 +1,5 @@
-"""What a run directory holds besides its config: metrics as JSON lines (always) and TensorBoard events (when
-the ``tensorboard`` package is installed), checkpoints, the final state with the head-like tensors that the
+"""What a run directory holds besides its config: metrics as JSON lines (also sent to the run's experiment
+trackers, :mod:`fedlt.trackers`), checkpoints, the final state with the head-like tensors that the
 report plots, and the lock that keeps two processes out of one run directory.
 
 Checkpoints and final states are safetensors files (:mod:`fedlt.safefile`): loading one runs no code, whoever
@@ -220,61 +220,26 @@ def lock_holder(run_dir: Path) -> str:
 
 
 class MetricsLog:
-    """Per-round records as JSON lines (and TensorBoard scalars when available). ``history``: the records a
-    resumed run continues from; the file is rewritten to hold exactly those before new ones are appended."""
+    """Per-round records as JSON lines, each also handed to the run's experiment trackers
+    (:class:`fedlt.trackers.Trackers`: MLflow, W&B, TensorBoard). ``history``: the records a resumed run
+    continues from; the file is rewritten to hold exactly those before new ones are appended."""
 
-    def __init__(self, run_dir: Path, history: list[dict] | None = None, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, history: list[dict] | None = None, trackers=None):
         self._default = jsonable
         path = Path(run_dir) / METRICS
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, default=jsonable) + "\n" for r in history or []))
         os.replace(tmp, path)
         self.file = open(path, "a", buffering=1)
-        self.tb = _tensorboard(Path(run_dir) / "tensorboard", len(history or []) + 1) if tensorboard else None
-        self.last_round = history[-1]["round"] if history else 0
+        self.trackers = trackers
 
     def __call__(self, rec: dict) -> None:
         self.file.write(json.dumps(rec, default=self._default) + "\n")
-        if self.tb is None:
-            return
-        if "round" in rec:
-            self.last_round = rec["round"]
-            if rec.get("train_loss") is not None:
-                self.tb.add_scalar("train/loss", rec["train_loss"], rec["round"])
-            if "eval" in rec:
-                for tag, v in scalars(rec["eval"]).items():
-                    self.tb.add_scalar(f"eval/{tag}", v, rec["round"])
-        elif "final" in rec:
-            for tag, v in scalars(rec["final"]).items():
-                self.tb.add_scalar(f"final/{tag}", v, self.last_round)
+        if self.trackers is not None:
+            self.trackers(rec)
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
-def scalars(ev: dict) -> dict[str, float]:
-    """GM[mode] / PM[mode] accuracy and group accuracies of one evaluation, as flat tags."""
-    out = {}
-    for side, prefix in (("global", "GM"), ("personal", "PM")):
-        for mode, r in ev.get(side, {}).items():
-            for key in ("acc", "many", "medium", "few"):
-                if r.get(key) is not None:
-                    out[f"{prefix}[{mode}].{key}"] = float(r[key])
-    return out
-
-
-def _tensorboard(log_dir: Path, purge_step: int):
-    """A SummaryWriter if the tensorboard package is installed (and FEDLT_TENSORBOARD is not 0), else None.
-    ``purge_step`` drops events a killed run logged after its last checkpoint."""
-    if os.environ.get("FEDLT_TENSORBOARD", "1") == "0":
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(log_dir), purge_step=purge_step if purge_step > 1 else None)
 
 
 def head_like(tree: Any, num_classes: int, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="replace a run setting in every run (e.g. model=resnet8); the report says it is not the "
                         "paper's protocol")
-    add_arguments(p, RunConfig, ["device", "data_dir"], typed=True)
+    add_arguments(p, RunConfig, ["device", "data_dir", "tracker"], typed=True)
     p.add_argument("--out", help="the sweep folder (default runs/reproduce-TABLE[-roundsR])")
     add_arguments(p, RunConfig, ["threads"], typed=True)
     p.add_argument("--dry-run", action="store_true", help="print the runs and where the data is; write nothing")
@@ -53,5 +53,6 @@ def main(args: argparse.Namespace) -> int:
                     seeds=_ints(args.seeds, "--seeds"), rounds=args.rounds, jobs=args.jobs, device=args.device,
                     data_dir=args.data_dir, out=args.out, overrides=parse_set(args.override, "--override"),
                     threads=args.threads, checkpoint_every=args.checkpoint_every, figures=not args.no_figures,
-                    progress=not args.no_progress, dry_run=args.dry_run, echo=print, backend=backend_from_args(args))
+                    progress=not args.no_progress, dry_run=args.dry_run, echo=print, backend=backend_from_args(args),
+                    tracker=args.tracker)
     return res.exit_status

@@ -110,7 +110,7 @@ def _shrink_milestones(milestones: str, old: int, new: int) -> str:
 
 def plan_reproduction(name: str, *, methods: list[str] | None = None, settings: list[str] | None = None,
                       seeds: list[int] | None = None, rounds: float | int | None = None, out: str | None = None,
-                      device: str | None = None, data_dir: str | None = None,
+                      device: str | None = None, data_dir: str | None = None, tracker=None,
                       overrides: dict[str, Any] | None = None, checkpoint_every: int = 1) -> Reproduction:
     """The sweep of table ``name`` (its methods and settings, or the selected ones); every run's settings are
     checked here, so bad input fails before anything is written."""
@@ -132,7 +132,7 @@ def plan_reproduction(name: str, *, methods: list[str] | None = None, settings: 
     if not run:
         raise ConfigError(f"{name}: every selected method is missing from fedlt "
                           f"({', '.join(f'{m}: {t.methods[m].missing}' for m in labels)})")
-    base = {k: v for k, v in (("device", device), ("data_dir", data_dir)) if v is not None}
+    base = {k: v for k, v in (("device", device), ("data_dir", data_dir), ("tracker", tracker)) if v is not None}
     base.update(overrides)
     sw_settings, done_rounds = {}, {}
     for s in cols:
