@@ -196,3 +196,21 @@ def test_evaluation_page_runs(tmp_path):
     doc = ROOT / "docs" / "evaluation.md"
     (out,) = run_blocks(doc.name, doc.read_text(), work, doc_env(tmp_path))
     assert "PM over 100 of 1,000 clients (a seeded sample; --eval-clients)" in out
+
+
+def test_trackers_page_runs(tmp_path):
+    """docs/trackers.md: a run sent to MLflow and W&B (offline), and its numbers read back from MLflow's store
+    beside metrics.jsonl's (this tree's fedlt, not the installed one)."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    work = tmp_path / "work"
+    work.mkdir()
+    doc = ROOT / "docs" / "trackers.md"
+    env = doc_env(tmp_path)
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env["PYTHONPATH"]]), WANDB_MODE="offline",
+               WANDB_SILENT="true", MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    _, out = run_blocks(doc.name, doc.read_text(), work, env)
+    rows = [line.split() for line in out.splitlines() if line.startswith("round ")]
+    assert [r[1] for r in rows] == ["1", "2", "3"] and all(r[5] == r[7] for r in rows)  # jsonl == MLflow
+    assert list(work.glob("runs/first/wandb/offline-run-*/run-*.wandb"))

@@ -178,7 +178,7 @@ def mlflow_client(out: Path):
 
         uri = mlflow_uri(out)
         if uri.startswith("sqlite:///"):
-            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            _writable_sqlite(Path(uri[len("sqlite:///"):]))
         client = MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "fedlt")
         exp = client.get_experiment_by_name(name)
@@ -191,6 +191,16 @@ def mlflow_client(out: Path):
                 if exp is None:
                     raise
         return client, exp.experiment_id
+
+
+def _writable_sqlite(path: Path) -> None:
+    """Fail at once on a SQLite store that cannot be opened or written (MLflow retries for 100 seconds)."""
+    import sqlite3
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.closing(sqlite3.connect(path, timeout=30)) as db:
+        db.execute("BEGIN IMMEDIATE")  # takes the write lock: refused on a read-only file or folder
+        db.rollback()
 
 
 class MLflow(Tracker):
