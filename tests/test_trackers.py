@@ -54,6 +54,8 @@ EXPECTED = {
     "bytes_up_per_client": lambda r: r["bytes_up_per_client"],
     "missing": lambda r: len(r["missing"]),
     "clients": lambda r: len(r["clients"]),
+    "sampled": lambda r: r["sampled"],  # the dropout counts (issue 34 item 3)
+    "arrived": lambda r: r["arrived"],
     "eval/GM/global/acc": lambda r: r["eval"]["global"]["global"]["acc"],
     "eval/GM/global/few": lambda r: r["eval"]["global"]["global"]["few"],
     "eval/PM/global/acc": lambda r: r["eval"]["personal"]["global"]["acc"],
