@@ -295,6 +295,25 @@ def test_flower_inprocess_loses_the_replies_the_simulation_loses(tmp_path):
     assert summary["missing"] == sim.missing
 
 
+def test_flowers_own_round_loop_loses_the_same_replies():
+    """Strategy.start (Flower's round loop over the fedlt strategy) with faults: the simulation's weights."""
+    pytest.importorskip("flwr")
+    from flwr.app import ArrayRecord
+
+    from fedlt.flower.inprocess import InProcessGrid, server_identity
+    from fedlt.flower.strategy import FedltStrategy
+
+    over = dict(method="fedprox", rounds=2, eval_every=1, drop_rate=0.5, availability="tail")
+    cfg = small_config(**over)
+    st = FedltStrategy(cfg, echo=lambda s: None)
+    with server_identity():
+        st.start(InProcessGrid([{"partition-id": i} for i in range(cfg.clients)]), ArrayRecord(), num_rounds=2)
+    sim, _ = run_small(**over)
+    assert any(h["arrived"] < h["sampled"] for h in sim.history)
+    for k in sim.state["weights"]:
+        assert torch.allclose(sim.state["weights"][k], st.state["weights"][k], atol=1e-6)
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_flower_simulation_on_ray_loses_the_replies_the_inprocess_run_loses(tmp_path, capsys):

@@ -162,13 +162,17 @@ class FedltStrategy(Strategy):
         if not self.nodes:  # called by Strategy.start(): learn the clients first
             self.connect(grid)
             self._counts()
-        cids = [c for c in self.schedule[server_round - 1] if c in self.nodes]
+        cids = [c for c in self.driver.sampled(server_round) if c in self.nodes]
         payloads = self.driver.payloads(TRAINING, server_round, cids,
                                         lambda c: self.method.configure(self.state, server_round, c))
         return list(self.transport.messages(TRAINING, server_round, payloads).values())
 
     def aggregate_train(self, server_round: int, replies: Iterable[FlwrMessage]):
         got = {int(control(r.content)["client-id"]): r.content for r in replies if not r.has_error()}
+        plan = self.driver.plan(server_round)
+        if plan is not None:  # the replies the run's faults lose (engine.faults), as the driver's rounds do
+            kept, _, _ = self.driver.cfg.faults.arrivals(plan, sorted(got))
+            got = {c: got[c] for c in kept}
         if got:
             self.state = self.method.aggregate(self.state, server_round,
                                                [(cid, from_records(got[cid])) for cid in sorted(got)])
