@@ -229,13 +229,16 @@ def test_state_dir_survives_supernode_restart(tmp_path):
     ctx = grid.contexts[st.nodes[0]]
     from fedlt.flower.records import load_client_state
 
-    kept = load_client_state(ctx.state, 0)
+    kept, _ = load_client_state(ctx.state, 0)
     assert torch.equal(kept["phi.weight"], sim.client_states[0]["phi.weight"])
     assert _max_weight_diff(sim.state, st.state) <= 1e-6
-    # without a state directory the restart loses phi_0: the test above can fail
+    # without a state directory the restart loses phi_0 (the test above can fail): the client says so in one
+    # line and is recorded missing, where it used to train a fresh phi_0 silently
     st2, grid2 = _restart_run(tmp_path, None)
-    lost = load_client_state(grid2.contexts[st2.nodes[0]].state, 0)
-    assert not torch.equal(lost["phi.weight"], sim.client_states[0]["phi.weight"])
+    assert load_client_state(grid2.contexts[st2.nodes[0]].state, 0) == (None, None)
+    assert st2.driver.missing["round 2"] == [0] and st2.driver.missing["round 3"] == [0]
+    why = [h for h in st2.driver.history if h["round"] == 2][0]["missing_why"]["0"]
+    assert "client 0 has lost its state of round 1" in why and "--state-dir" in why
 
 
 # ------------------------------------------------------------------------------------------- faults
@@ -369,3 +372,53 @@ def test_a_stopped_flower_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp
     full = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert [strip(r["eval"]) for r in recs if "eval" in r] == [strip(r["eval"]) for r in full if "eval" in r]
     assert not (tmp_path / "cut" / CHECKPOINT).exists()  # a finished run keeps no checkpoint
+
+
+@pytest.mark.parametrize("method", ["ditto", "fedloge"])
+def test_a_resumed_deployment_rolls_every_client_back_to_the_checkpointed_round(tmp_path, method):
+    """A deployment's resume in one process: the server cannot see the clients' states (``remote``), which stay
+    in each SuperNode's state-dir. The run checkpoints every 2 rounds and is stopped in round 6, after some
+    clients trained round 5 and round 6: resumed from round 4 in a new Flower run (the nodes' memory is gone),
+    every client takes its state of round 4 or earlier, not its newer one, and the run ends exactly as an
+    uninterrupted one: server weights, GM and PM per client, and every client's final state."""
+    import signal
+
+    from fedlt.preempt import Preempted
+    from fedlt.flower.records import load_client_state
+
+    params = FAST.get(method, {})
+    over = dict(clients=3, rounds=6, eval_every=3, participation=2, local_epochs=1)
+    sim, final = run_small(method, params, **over)
+    cfg = small_config(method=method, params=params, out=str(tmp_path), name="dep", **over)
+    nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"state{i}")} for i in range(3)]
+    trained = []
+
+    def stop_in_round_6(msg, node):
+        if msg.metadata.message_type == "train":
+            trained.append(int(msg.metadata.group_id))
+            if trained.count(6) == 2:  # the second client of round 6: one has trained it already
+                raise Preempted(signal.SIGTERM)
+        return None
+
+    first = InProcessGrid(nodes, fault=stop_in_round_6, remote=True)
+    with pytest.raises(Preempted):
+        with server_identity():
+            FedltStrategy(cfg, **QUIET).run(first, checkpoint_every=2)
+    run = next((tmp_path / "state0").iterdir()).name
+    ahead = {i: load_client_state(None, i, tmp_path / f"state{i}", run[4:])[1] for i in range(3)}
+    assert max(t for t in ahead.values() if t) > 4  # states of rounds the checkpoint (round 4) did not reach
+    again = InProcessGrid(nodes, run_id=2, remote=True)  # a new Flower run, the nodes' memory empty
+    st = FedltStrategy(cfg, **QUIET)
+    with server_identity():
+        summary = st.run(again, checkpoint_every=2, resume=True)
+    assert summary["resumed_after_round"] == 4 and st.transport.run == run[4:]
+    assert _max_weight_diff(sim.state, st.state) <= 1e-6
+    _same_evaluation(summary["final"], final, _fed(cfg))
+    for cid in range(3):
+        got, tag = load_client_state(None, cid, tmp_path / f"state{cid}", st.transport.run)
+        want = sim.client_states[cid] if cid in sim.client_states else None
+        if want is None:
+            continue
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.allclose(got[k], v, atol=1e-6), (cid, k)

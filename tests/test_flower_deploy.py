@@ -5,20 +5,14 @@ fresh ClientApp process (python + torch) for every message."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("flwr")
 
 from conftest import run_small  # noqa: E402
+from flowercluster import Cluster, records  # noqa: E402
 from fedlt.runstate import load_final_state  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -29,126 +23,12 @@ SMALL = ["--dataset", "digits", "--imbalance-ratio", "10", "--alpha", "1.0", "--
          "smallcnn", "--seed", "0", "--threads", "1"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    """Processes of one test, each in its own session (so its children can be killed with it)."""
-
-    def __init__(self, tmp: Path):
-        self.tmp, self.tag = tmp, uuid.uuid4().hex
-        self.env = {**os.environ, "FLWR_HOME": str(tmp / "flwr-home"), "FEDLT_CACHE": str(tmp / "cache"),
-                    "FEDLT_TEST_PROCESS_TAG": self.tag, "PYTHONUNBUFFERED": "1"}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.port = free_port()
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "fedlt", "flower", *args], stdout=log, stderr=subprocess.STDOUT,
-                             env=self.env, cwd=self.tmp, start_new_session=True)
-        self.procs[name] = p
-        return p
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
-
-    def up(self, n_nodes: int = 2) -> None:
-        self.start("superlink", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.port))
-        end = time.monotonic() + 120
-        while True:  # the SuperLink accepts connections
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                assert self.procs["superlink"].poll() is None, self.log("superlink")
-                assert time.monotonic() < end, "SuperLink did not start"
-                time.sleep(0.5)
-        for k in range(n_nodes):
-            self.start(f"supernode{k}", "supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                       "--partition-id", str(k), "--host", "127.0.0.1", "--port", str(free_port()))
-
-    def submit(self, *args: str) -> subprocess.Popen:
-        return self.start("run", "run", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                          "--app-dir", str(self.tmp / "app"), "--out", str(self.tmp / "runs"), "--name", "dep",
-                          *SMALL, *args)
-
-    def kill(self, name: str) -> None:
-        p = self.procs[name]
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait(30)
-
-    def stop_all(self) -> None:
-        for p in self.procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + 15
-        for p in self.procs.values():
-            try:
-                p.wait(max(end - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(30)
-        # Flower's SuperLink starts its SuperExec in a process group of its own; it watches its parent and
-        # exits with it. Give such processes a moment, then kill whatever still carries this test's tag.
-        end = time.monotonic() + 20
-        while self.tagged() and time.monotonic() < end:
-            time.sleep(0.5)
-        for pid in self.tagged():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(1)
-        left = self.tagged()
-        assert not left, f"processes left running: {left}"
-
-    def tagged(self) -> list[int]:
-        found = []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit() and int(d.name) != os.getpid():
-                try:
-                    if f"FEDLT_TEST_PROCESS_TAG={self.tag}".encode() in (d / "environ").read_bytes():
-                        found.append(int(d.name))
-                except OSError:
-                    pass
-        return found
-
-    def listening(self) -> list[str]:
-        """Local addresses of the listening TCP sockets of our processes' ports (from /proc/net/tcp{,6})."""
-        ports = {self.port} | {int(a[a.index("--port") + 1]) for a in (p.args for p in self.procs.values())
-                               if "--port" in a}
-        out = []
-        for f in ("/proc/net/tcp", "/proc/net/tcp6"):
-            for line in Path(f).read_text().splitlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                addr, port = local.split(":")
-                if state == "0A" and int(port, 16) in ports:
-                    out.append(addr)
-        return out
-
-
-def _records(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_superlink_two_supernodes_fedloge(tmp_path):
     c = Cluster(tmp_path)
     try:
         c.up()
         t0 = time.monotonic()
-        run = c.submit("--method", "fedloge", "--set", "sse_steps=200", "--round-timeout", "300")
+        run = c.submit(*SMALL, "--method", "fedloge", "--set", "sse_steps=200", "--round-timeout", "300")
         rc = run.wait(RUN_TIMEOUT)
         wall = time.monotonic() - t0
         assert rc == 0, c.log("run")[-3000:]
@@ -158,7 +38,7 @@ def test_superlink_two_supernodes_fedloge(tmp_path):
         c.stop_all()
     out = tmp_path / "runs" / "dep"
     summary = json.loads((out / "summary.json").read_text())
-    recs = _records(out)
+    recs = records(out)
     rounds = [r for r in recs if "round" in r]
     assert [r["round"] for r in rounds] == [1, 2] and all(r["missing"] == [] for r in rounds)
     assert [r["phase"] for r in recs if "phase" in r] == ["ga-fr", "la-fr"]
@@ -187,7 +67,7 @@ def test_killed_supernode_is_recorded_missing(tmp_path):
     try:
         c.up()
         t0 = time.monotonic()
-        run = c.submit("--method", "fedavg", "--round-timeout", "150")
+        run = c.submit(*SMALL, "--method", "fedavg", "--round-timeout", "150")
         end = time.monotonic() + RUN_TIMEOUT
         while c.log("supernode1").count("Receiving: train message") < 2:  # it has round 2's message...
             assert run.poll() is None, c.log("run")[-3000:]
@@ -201,10 +81,68 @@ def test_killed_supernode_is_recorded_missing(tmp_path):
         c.stop_all()
     out = tmp_path / "runs" / "dep"
     summary = json.loads((out / "summary.json").read_text())
-    rounds = {r["round"]: r for r in _records(out) if "round" in r}
+    rounds = {r["round"]: r for r in records(out) if "round" in r}
     assert rounds[1]["missing"] == [] and rounds[2]["missing"] == [1]
     assert summary["missing"] == {"round 2": [1], "eval 2": [1]}  # the last evaluation is the final one
     assert summary["final"]["global"]["global"]["acc"] > 0.2  # the run went on with client 0
     assert len(summary["final"]["personal"]["global"]["per_client"]) == 1
     print(f"\nrun with a killed SuperNode: {wall:.1f} s wall; record:",
           json.dumps({"round 2": rounds[2]["missing_why"], "missing": summary["missing"]}))
+
+
+@pytest.mark.parametrize("method,params", [("ditto", []), ("fedloge", ["--set", "sse_steps=200"])])
+def test_deployed_run_resumes_exactly_after_the_superlink_and_a_supernode_die(tmp_path, method, params):
+    """Three SuperNodes with their --state-dir, a SuperLink on its database; two of three clients per round, so
+    clients skip rounds. The SuperLink (and every process it started) is killed with SIGKILL once round 1 is
+    checkpointed: the interrupted `fedlt flower run` says so in one line and exits 75. The SuperLink restarts on
+    its database, the run is submitted again with --resume (a new Flower run); in its first round SuperNode 1 is
+    killed while it trains and restarted with its --state-dir (a new node: the round's message is sent to it
+    again). The run ends with the simulation's weights, GM and every client's PM: each client was rolled back to
+    its state of the checkpointed round, and none is recorded missing."""
+    from fedlt.runstate import checkpointed_round
+
+    settings = ["--dataset", "digits", "--imbalance-ratio", "10", "--alpha", "1.0", "--clients", "3",
+                "--participation", "2", "--rounds", "3", "--eval-every", "3", "--local-epochs", "1", "--batch-size",
+                "16", "--model", "smallcnn", "--seed", "0", "--threads", "1", "--method", method, *params,
+                "--round-timeout", "300"]
+    out = tmp_path / "runs" / "dep"
+    c = Cluster(tmp_path)
+    try:
+        c.up(3, database=True, state_dirs=True)
+        first = c.submit(*settings, log="first")
+        end = time.monotonic() + RUN_TIMEOUT
+        while checkpointed_round(out) != 1:
+            assert first.poll() is None, c.log("first")[-3000:]
+            assert time.monotonic() < end, "round 1 was never checkpointed"
+            time.sleep(0.1)
+        c.kill("superlink", tree=True)  # the server's machine dies
+        rc = first.wait(300)
+        last = [x for x in c.log("first").splitlines() if x.strip()][-1]
+        assert rc == 75 and "Connection to the SuperLink" not in c.log("first"), c.log("first")[-2000:]
+        assert last.startswith("fedlt: error: lost the SuperLink") and "round 1 checkpointed" in last, last
+        assert "--resume" in last
+        c.start_superlink(database=True)
+        trained = c.log("supernode1").count("Receiving: train message")
+        second = c.submit(*settings, "--resume", log="second")
+        c.wait_for("supernode1", "Receiving: train message", trained + 1, proc="second")
+        c.kill("supernode1", tree=True)  # dies while it trains a round of the resumed run...
+        c.start_supernode(1)  # ...and comes back with its --state-dir
+        assert second.wait(RUN_TIMEOUT) == 0, c.log("second")[-3000:]
+        assert "is back on SuperNode" in c.log("second")
+    finally:
+        c.stop_all()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_after_round"] == 1 and summary["missing"] == {}, summary["missing"]
+    sim, final = run_small(method, {"sse_steps": 200} if params else {}, clients=3, participation=2, rounds=3,
+                           eval_every=3, local_epochs=1)
+    state = load_final_state(out)["state"]
+    assert max(float((state["weights"][k] - sim.state["weights"][k]).abs().max()) for k in state["weights"]) < 1e-5
+    got, n_test = summary["final"], len(sim.fed.dataset.y_test)
+    for mode in final["global"]:
+        assert abs(got["global"][mode]["acc"] - final["global"][mode]["acc"]) <= 1.0 / n_test + 1e-9
+    for mode in final["personal"]:
+        for a, b, cl in zip(got["personal"][mode]["per_client"], final["personal"][mode]["per_client"],
+                            sim.fed.clients):
+            assert abs(a - b) <= 1.0 / len(cl.test_y) + 1e-4, (mode, a, b)
+        print(f"\n{method} PM {mode}: deployed, killed and resumed {got['personal'][mode]['acc']:.4f}, "
+              f"simulation {final['personal'][mode]['acc']:.4f}")

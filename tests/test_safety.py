@@ -181,12 +181,12 @@ def test_malicious_flower_client_state_and_client_data_are_refused(tmp_path):
 
     marker = tmp_path / "PWNED"
     state = {"w": torch.arange(6.0).view(2, 3), "n": 3, "t": (1, "a")}
-    save_client_state(RecordDict(), state, 4, tmp_path, run_id=7)
-    back = load_client_state(RecordDict(), 4, tmp_path, run_id=7)  # after a SuperNode restart
+    save_client_state(RecordDict(), state, 4, tmp_path, run="r7")
+    back, _ = load_client_state(RecordDict(), 4, tmp_path, run="r7")  # after a SuperNode restart
     assert torch.equal(back["w"], state["w"]) and back["n"] == 3 and back["t"] == (1, "a")
-    state_file(tmp_path, 7, 4).write_bytes(_evil(marker))
+    state_file(tmp_path, "r7", 4).write_bytes(_evil(marker))
     with pytest.raises(ConfigError) as e:
-        load_client_state(RecordDict(), 4, tmp_path, run_id=7)
+        load_client_state(RecordDict(), 4, tmp_path, run="r7")
     assert "delete" in _one_line(e.value)
     # a client's own data: an npz whose array holds pickled objects
     data = tmp_path / "data"

@@ -1,5 +1,5 @@
 """Errors that the command line turns into one line on stderr and an exit status (2 for bad input, 3 for a
-run that diverged)."""
+run that diverged, 75 for a deployed run that lost its SuperLink)."""
 
 
 class FedltError(Exception):
@@ -24,3 +24,11 @@ class Diverged(FedltError):
     its summary says ``diverged``. The message names the round, the method and what to try."""
 
     exit_status = 3
+
+
+class Interrupted(FedltError):
+    """A deployed run lost its SuperLink (the machine or the process died): nothing is wrong with the input, the
+    run is checkpointed (its message says which round) and resumes with ``--resume`` once the SuperLink is back.
+    Exit status 75, ``EX_TEMPFAIL`` of sysexits.h: a temporary failure, try again."""
+
+    exit_status = 75

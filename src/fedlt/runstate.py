@@ -78,6 +78,22 @@ def has_checkpoint(run_dir: Path) -> bool:
     return any((Path(run_dir) / n).is_file() for n in (NEXT, CHECKPOINT, PREVIOUS))
 
 
+def checkpointed_round(run_dir: Path) -> int | None:
+    """The round of the newest readable checkpoint in ``run_dir`` (None: none), read from the files' headers
+    only (a checkpoint may be large)."""
+    from safetensors import safe_open
+
+    for n in (NEXT, CHECKPOINT, PREVIOUS):
+        path = Path(run_dir) / n
+        if path.is_file():
+            try:
+                with safe_open(str(path), "pt") as f:
+                    return int(json.loads(f.metadata()["tree"])["sim"]["round"])
+            except Exception:  # noqa: BLE001 -- any unreadable file: the next one
+                continue
+    return None
+
+
 def remove_checkpoints(run_dir: Path) -> None:
     for n in (NEXT, CHECKPOINT, PREVIOUS):
         (Path(run_dir) / n).unlink(missing_ok=True)

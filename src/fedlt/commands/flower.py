@@ -118,33 +118,72 @@ def _exec(argv: list[str], env: dict) -> int:
     return 0  # not reached
 
 
-def _flwr_run(argv: list[str], env: dict, follow: bool) -> int:
+LOST = "Connection to the SuperLink is unavailable"  # flwr's message when the SuperLink is gone
+
+
+def _flwr_run(argv: list[str], env: dict, follow: bool, out: Path | None = None, name: str | None = None,
+              superlink: str = "") -> int:
     """`flwr run`, echoing its output; with ``follow``, exit status 1 unless the run finished completed (flwr's
-    own exit status is 0 once the run was submitted, whatever became of it)."""
+    own exit status is 0 once the run was submitted, whatever became of it). A SuperLink lost during the run
+    (killed, its machine down) is one line instead of Flower's box: the round the run directory ``out`` has
+    checkpointed and how to resume, exit status 75 (:class:`~fedlt.errors.Interrupted`)."""
     import json
     import re
 
+    from ..errors import Interrupted
     from ..flower import deploy
 
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run_id = None
+    run_id, box, lost = None, [], False
     for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
         m = re.search(r"Successfully started run (\d+)", line)
         run_id = run_id or (m.group(1) if m else None)
+        if line.lstrip().startswith("╭") or box:  # a box of Flower's: held until it is closed
+            box.append(line)
+            if not line.lstrip().startswith("╰"):
+                continue
+            held, box = box, []
+            if LOST in " ".join(" ".join(x.strip("│╭╰─ \n") for x in held).split()):
+                lost = True  # said in fedlt's line instead
+                continue
+            line = "".join(held)
+        sys.stdout.write(line)
+        sys.stdout.flush()
     rc = proc.wait()
+    sys.stdout.writelines(box)
+    if lost:
+        raise Interrupted(_lost_line(superlink, run_id, out, name))
     if rc or not follow or run_id is None:
         return rc or (1 if run_id is None else 0)
-    out = subprocess.run([deploy.program("flwr"), "ls", "--run-id", run_id, "--format", "json"], env=env,
-                         capture_output=True, text=True)
+    ls = subprocess.run([deploy.program("flwr"), "ls", "--run-id", run_id, "--format", "json"], env=env,
+                        capture_output=True, text=True)
     try:
-        status = json.loads(out.stdout)["runs"][0]["status"]
+        status = json.loads(ls.stdout)["runs"][0]["status"]
     except (ValueError, KeyError, IndexError):
-        print(f"fedlt: could not read the status of run {run_id}: {out.stdout.strip()[-300:]}", file=sys.stderr)
+        if LOST in " ".join(ls.stdout.split()):
+            raise Interrupted(_lost_line(superlink, run_id, out, name)) from None
+        print(f"fedlt: could not read the status of run {run_id}: {ls.stdout.strip()[-300:]}", file=sys.stderr)
         return 1
     print(f"fedlt: run {run_id} {status}", flush=True)
     return 0 if status.endswith("completed") else 1
+
+
+def _lost_line(superlink: str, run_id: str | None, out: Path | None, name: str | None) -> str:
+    """What a `fedlt flower run` that lost its SuperLink says: the round its run directory has checkpointed (when
+    that directory is on this machine) and how to go on."""
+    from ..preempt import again
+    from ..runstate import checkpointed_round
+
+    if run_id is None:
+        return f"cannot reach the SuperLink at {superlink}; start it (fedlt flower superlink) or fix --superlink"
+    head = f"lost the SuperLink at {superlink} during Flower run {run_id}"
+    resume = f"restart the SuperLink on its --database and run {again(out, name)}"
+    if out is None or not out.is_dir():
+        return f"{head}; its run directory is on the SuperLink's machine: to finish it, {resume}"
+    rnd = checkpointed_round(out)
+    if rnd is None:
+        return f"{head}; run {out} has no checkpoint yet: start it again (without --resume)"
+    return f"{head}; run {out} has round {rnd} checkpointed: to finish it, {resume}"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -170,6 +209,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {path / 'pyproject.toml'}; run it with: flwr run {path} <connection>  (or fedlt flower run)")
         return 0
     if cmd == "run":
+        from ..config import RunConfig
+        from ..rundir import run_dir_for
+
+        name = cfg.name  # as given: a run named here is resumed with its name (preempt.again)
+        if name is None:  # named here, so that this command knows the run directory the ServerApp writes
+            cfg = RunConfig(**{**cfg.to_dict(), "name": run_dir_for(cfg).name})
+        out = run_dir_for(cfg).resolve()
         app_dir = Path(args.app_dir or tempfile.mkdtemp(prefix="fedlt-flower-app-"))
         deploy.write_app(app_dir, cfg, **_flower_kw(args))
         env = deploy.flower_env()
@@ -180,7 +226,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"fedlt: {' '.join(argv)}  (FLWR_HOME={env['FLWR_HOME']}; run directory under {Path(cfg.out).resolve()})",
               flush=True)
         try:
-            return _flwr_run(argv, env, follow=not args.no_stream)
+            return _flwr_run(argv, env, not args.no_stream, out, name, args.superlink)
         finally:
             shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)
     if cmd == "simulate":

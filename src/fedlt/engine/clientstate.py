@@ -302,6 +302,44 @@ class ClientStates(MutableMapping):
                 found[cid] = max(found.get(cid, tag), tag)
         self.restore({"versions": found})
 
+    # ------------------------------------------------------------------ versions (a SuperNode's --state-dir)
+    def versions(self, cid: int) -> list[int]:
+        """The rounds of the versions of client ``cid``'s state that are stored (in memory or on disk)."""
+        tags = set(self._files.get(cid, {}))
+        if cid in self._tags:
+            tags.add(self._tags[cid])
+        return sorted(tags)
+
+    def go_back(self, cid: int, bound: int) -> int | None:
+        """Make client ``cid``'s current state its newest version of round ``bound`` or earlier -- the one a
+        server at round ``bound`` (resumed from its checkpoint of that round, perhaps) expects the client to
+        train from -- and remove the newer ones, which a resumed run re-makes. Returns that version's round
+        (None: the client has no state that old)."""
+        cid = int(cid)
+        tags = self.versions(cid)
+        ok = [t for t in tags if t <= bound]
+        if tags and tags[-1] > bound:
+            held = self._held.pop(cid, None)
+            if held is not None:
+                self._used -= held.nbytes
+            for t in (t for t in tags if t > bound):
+                (self._folder() / state_name(cid, t)).unlink(missing_ok=True)
+                self._files.get(cid, {}).pop(t, None)
+            if ok:
+                self._tags[cid] = ok[-1]
+            else:
+                self._tags.pop(cid, None)
+        return ok[-1] if ok else None
+
+    def retain(self, rounds) -> None:
+        """Keep, beside every client's current state, its newest version of each of ``rounds`` or earlier (the
+        rounds a server may resume from: those of the checkpoints it keeps), and remove the other versions."""
+        index = lambda r: {c: max(t for t in self.versions(c) if t <= r)  # noqa: E731
+                           for c in set(self._files) | set(self._tags) if any(t <= r for t in self.versions(c))}
+        self._commits = [index(int(r)) for r in rounds]
+        for cid in list(self._files):
+            self._prune(cid)
+
     def clear(self) -> None:
         """Forget every state and remove its files (before an older checkpoint's states are loaded). The
         directory stays: the states loaded next are written there by the next commit."""

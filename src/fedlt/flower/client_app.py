@@ -22,11 +22,18 @@ Where the data comes from (the SuperNode's ``--node-config``):
   partition, seed): for trials, the very clients of a simulation.
 - ``data-dir=DIR client-id=K``: the client's own data, ``DIR/train.npz`` (arrays ``x``, ``y``) and optionally
   ``DIR/test.npz`` (its personal test set), images shaped like the run's dataset; for real use.
-- optional ``state-dir=DIR``: the client state is also written there after every message, so it survives a
-  SuperNode restart; ``device=cuda`` to train on the node's GPU.
+- optional ``state-dir=DIR``: the client state is also written there after every message that changes it,
+  so it survives a SuperNode restart and a resumed run; ``device=cuda`` to train on the node's GPU.
 
 The client state (personal heads, personal models, control variates) lives in ``context.state`` and never
-enters a reply.
+enters a reply. It belongs to the fedlt run (the ``fedlt-run`` id of every message, kept in the run directory),
+not to the Flower run that carries it, and every version is tagged with the round it reflects. Each message
+says which round the client's state must reflect (``state-round``: the round before a training round, the
+server's round for an evaluation), so a run resumed from its checkpoint of round r rolls every client back to
+its newest version of round r or earlier; which rounds the server may resume from (``keep``: the rounds of the
+checkpoints it keeps), whose versions the ``--state-dir`` keeps; and the round of the last state the server
+knows the client kept (``expect``): a client that cannot produce it answers with a one-line error instead of
+training a fresh state.
 """
 from __future__ import annotations
 
@@ -50,7 +57,8 @@ from ..engine.driver import PHASE, TRAIN, client_generator
 from ..errors import ConfigError, DataError
 from ..metrics import as_modes, client_reports, client_split
 from ..plugins import method_class
-from .records import control, from_records, load_client_state, records_value, save_client_state, to_records
+from .records import (control, enter_session, from_records, load_client_state, records_value, save_client_state,
+                      to_records)
 
 app = ClientApp()
 
@@ -151,18 +159,21 @@ def load_client_dir(path: str, cid: int, spec: RunSpec, prep: Prep) -> ClientDat
 
 @dataclass
 class Node:
-    """One SuperNode's view of the run: its client id, data and the method object."""
+    """One SuperNode's view of the run: its client id, data and the method object, and what the message says
+    about the client's state (the fedlt run it belongs to, the round it must reflect)."""
 
     cid: int
     data: ClientData
     method: Method
     job: Job
     state_dir: str | None
-    run_id: int
+    run: str  # the fedlt run's id (kept in its run directory): the client states belong to it
+    ctl: Any = None  # the message's fedlt record
 
     @classmethod
     def of(cls, msg: FlwrMessage, context: Context) -> "Node":
-        job = Job.parse(str(control(msg.content)["run"]))
+        ctl = control(msg.content)
+        job = Job.parse(str(ctl["run"]))
         if job.cfg.threads:
             torch.set_num_threads(job.cfg.threads)
         device = str(node_setting(context, "device", job.spec.device))
@@ -183,18 +194,34 @@ class Node:
         else:
             raise ConfigError("the SuperNode's --node-config needs partition-id=K (a client of the fedlt "
                               "partition) or data-dir=DIR client-id=K (its own data)")
-        return cls(cid, data, method, job, node_setting(context, "state-dir"), int(context.run_id))
+        run = str(ctl.get("fedlt-run", context.run_id))  # a server of before fedlt run ids: the Flower run's
+        state_dir = node_setting(context, "state-dir")
+        if state_dir and "session" in ctl:
+            enter_session(state_dir, run, int(ctl["session"]))
+        return cls(cid, data, method, job, state_dir, run, ctl)
 
     def client_state(self, context: Context) -> dict:
-        cstate = load_client_state(context.state, self.cid, self.state_dir, self.run_id)
+        """The client's state as the server expects it: its newest version of the message's ``state-round``
+        or earlier (a resumed run rolls the client back to its checkpointed round), else a fresh one -- unless
+        the server knows the client kept a state of a later round (``expect``), which is then lost: a one-line
+        error (the client is recorded missing), never a silent fresh state."""
+        bound = int(self.ctl["state-round"]) if "state-round" in self.ctl else None
+        cstate, tag = load_client_state(context.state, self.cid, self.state_dir, self.run, bound)
+        expect = int(self.ctl.get("expect", 0))
+        if expect and (tag is None or tag < expect):
+            where = (f"its --state-dir {self.state_dir} holds " + (f"round {tag}'s" if tag is not None else "none")
+                     if self.state_dir else "the SuperNode has no --state-dir and its memory holds none")
+            raise ConfigError(f"client {self.cid} has lost its state of round {expect} (fedlt run {self.run}; "
+                              f"{where}); restart its SuperNode with the --state-dir it had, or start the run afresh")
         if cstate is None:
             cstate = self.method.init_client(self.cid, self.data)
-            self.save(context, cstate, 0)
         return cstate
 
     def save(self, context: Context, cstate: dict, tag: int) -> None:
-        """Keep the client state, tagged with the round it reflects (a phase's: after the last round)."""
-        save_client_state(context.state, cstate, self.cid, self.state_dir, self.run_id, tag)
+        """Keep the client state, tagged with the round it reflects (a phase's: after the last round), and the
+        versions of the rounds the server may resume from (``keep``)."""
+        keep = [int(r) for r in str(self.ctl.get("keep", "")).split(",") if r]
+        save_client_state(context.state, cstate, self.cid, self.state_dir, self.run, tag, keep)
 
     def reply(self, msg: FlwrMessage, fm: Message | None = None, **fields_) -> FlwrMessage:
         rd = to_records(fm if fm is not None else Message(), {"client-id": self.cid, **fields_}, "reply")
@@ -219,7 +246,7 @@ def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
         reply, cstate = node.method.local_train(from_records(msg.content), node.client_state(context), node.data,
                                                 gen)
     node.save(context, cstate, rnd)
-    return node.reply(msg, reply)
+    return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 
 @app.train("phase")
@@ -232,7 +259,7 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
         reply, cstate = node.method.phase_client(name, from_records(msg.content), node.client_state(context),
                                                  node.data, gen)
     node.save(context, cstate, node.job.cfg.rounds + 1 + index)
-    return node.reply(msg, reply)
+    return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 
 @app.evaluate()

@@ -33,10 +33,13 @@ Fault = Callable[[Message, int], "str | None"]
 
 
 class InProcessGrid(Grid):
+    """``remote``: the server does not see the nodes' contexts (as over a SuperLink), so the client states stay
+    on the nodes (and their ``state-dir``) and no checkpoint holds them: a deployment's resume, in one process."""
+
     def __init__(self, node_configs: list[dict], run_config: dict | None = None, run_id: int = 1,
-                 app=client_app, fault: Fault | None = None):
+                 app=client_app, fault: Fault | None = None, remote: bool = False):
         self._run = Run.create_empty(run_id)
-        self.app, self.fault = app, fault
+        self.app, self.fault, self.remote = app, fault, remote
         self.contexts = {100 + i: Context(run_id, 100 + i, dict(nc), RecordDict(), dict(run_config or {}))
                          for i, nc in enumerate(node_configs)}
         self.replies: dict[str, Message] = {}

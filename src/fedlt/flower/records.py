@@ -16,7 +16,9 @@ record              type                holds
 
 plus a ``fedlt`` ``ConfigRecord`` with the engine's own fields (round, phase, client id, the run settings).
 A client state lives in ``context.state`` the same way (``fedlt.cstate`` + ``fedlt.cstate.arrays``) and
-can be mirrored to a file (safetensors, :mod:`fedlt.safefile`) so it survives a SuperNode restart.
+can be mirrored to a SuperNode's ``--state-dir`` (safetensors files, :mod:`fedlt.safefile`), one store per fedlt
+run, so that it survives a SuperNode restart and a resumed run (a new Flower run) finds the version of the
+round it resumes from.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from ..codec import pack, unpack
 from ..core.method import Message
 from ..engine.clientstate import ClientStates
+from ..errors import ConfigError
 
 CONTROL = "fedlt"
 CSTATE, CSTATE_ARRAYS = "fedlt.cstate", "fedlt.cstate.arrays"
@@ -76,39 +79,62 @@ def records_value(cfg: ConfigRecord, arr: ArrayRecord) -> Any:
 
 
 # ------------------------------------------------------------------------- client state
-_STORES: dict[Path, ClientStates] = {}  # a process's --state-dir stores, one per (folder, run)
+_STORES: dict[Path, ClientStates] = {}  # a process's --state-dir stores, one per (folder, fedlt run)
+SESSION = "session"  # in a run's store folder: the newest start of the fedlt run whose messages it took
 
 
-def node_store(state_dir: str | os.PathLike, run_id: int) -> ClientStates:
-    """The client-state store (:mod:`fedlt.engine.clientstate`) of a SuperNode's ``--state-dir`` for one run
-    (``run-<id>/``): every state written through and flushed when stored (``context.state`` is the memory),
-    each version tagged with its round; after a restart, each client's newest version is its state."""
-    d = Path(state_dir) / f"run-{run_id}"
+def node_store(state_dir: str | os.PathLike, run: str | int) -> ClientStates:
+    """The client-state store (:mod:`fedlt.engine.clientstate`) of a SuperNode's ``--state-dir`` for one fedlt
+    run (``run-<id>/``, the id the run directory keeps, whatever Flower run carries it): every state written
+    through and flushed when stored (``context.state`` is the memory), each version tagged with its round,
+    read again from the folder at every message (Flower runs a ClientApp process per message)."""
+    d = Path(state_dir) / f"run-{run}"
     store = _STORES.get(d)
     if store is None:
         store = ClientStates(budget=0, directory=d, hint=f"delete {d} to start its clients afresh")
-        store.reopen()
         _STORES[d] = store
+    store.reopen()
     return store
 
 
-def state_file(state_dir: str | os.PathLike, run_id: int, cid: int) -> Path:
+def state_file(state_dir: str | os.PathLike, run: str | int, cid: int) -> Path:
     """The file holding client ``cid``'s current state in a ``--state-dir``."""
-    return node_store(state_dir, run_id).path_of(cid)
+    return node_store(state_dir, run).path_of(cid)
 
 
-def save_client_state(state: RecordDict, cstate: dict, cid: int, state_dir=None, run_id: int = 0,
-                      tag: int = 0) -> None:
+def enter_session(state_dir: str | os.PathLike, run: str | int, session: int) -> None:
+    """Refuse a message of an earlier start of the run than one this store has served (a message a SuperLink
+    kept from before it was restarted: it would roll the clients back behind the resumed run)."""
+    d = Path(state_dir) / f"run-{run}"
+    f = d / SESSION
+    try:
+        seen = int(f.read_text()) if f.is_file() else -1
+    except (OSError, ValueError):
+        seen = -1
+    if session < seen:
+        raise ConfigError(f"a message of start {session} of fedlt run {run}, which has been started again since "
+                          f"(start {seen}): refused")
+    if session > seen:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f"{SESSION}.{os.getpid()}.tmp"
+        tmp.write_text(str(int(session)))
+        os.replace(tmp, f)
+
+
+def save_client_state(state: RecordDict, cstate: dict, cid: int, state_dir=None, run: str | int = 0,
+                      tag: int = 0, keep=()) -> None:
     """Store a client state in ``context.state`` (and in ``state_dir`` when given, flushed to disk), tagged with
-    the round it reflects."""
+    the round it reflects; the store keeps besides only the versions of the rounds in ``keep`` (those a server
+    may resume from)."""
     cfg, arr = value_records(cstate, f"client {cid} state")
-    cfg["client-id"], cfg["round"] = int(cid), int(tag)
+    cfg["client-id"], cfg["round"], cfg["run"] = int(cid), int(tag), str(run)
     state[CSTATE], state[CSTATE_ARRAYS] = cfg, arr
     if state_dir:
-        store = node_store(state_dir, run_id)
+        store = node_store(state_dir, run)
         store.tag = int(tag)
         store[int(cid)] = cstate
         store.commit()
+        store.retain(keep)
 
 
 def state_tag(state: RecordDict, cid: int) -> int | None:
@@ -118,13 +144,19 @@ def state_tag(state: RecordDict, cid: int) -> int | None:
     return None
 
 
-def load_client_state(state: RecordDict, cid: int, state_dir=None, run_id: int = 0) -> dict | None:
-    """The client state kept in ``context.state``, else the one in ``state_dir`` (after a SuperNode restart),
-    else None (the client has none yet)."""
-    if CSTATE in state and int(state[CSTATE]["client-id"]) == int(cid):
-        return records_value(state[CSTATE], state[CSTATE_ARRAYS])
+def load_client_state(state: RecordDict, cid: int, state_dir=None, run: str | int | None = None,
+                      bound: int | None = None) -> tuple[dict | None, int | None]:
+    """(state, round) of client ``cid`` in fedlt run ``run`` (None: whichever run ``context.state`` holds): its
+    newest version of round ``bound`` or earlier (None: the newest), from ``state_dir`` where there is one
+    (versions newer than ``bound``, made by a run since resumed from an earlier round, are removed), else from
+    ``context.state``; (None, None) when it has none."""
     if state_dir:
-        store = node_store(state_dir, run_id)
-        if int(cid) in store:
-            return store[int(cid)]
-    return None
+        store = node_store(state_dir, run)
+        tag = store.go_back(int(cid), bound) if bound is not None else (
+            store.tag_of(int(cid)) if int(cid) in store else None)
+        return (store[int(cid)], tag) if tag is not None else (None, None)
+    tag = state_tag(state, cid)
+    if tag is None or (run is not None and str(state[CSTATE].get("run", run)) != str(run)) or \
+            (bound is not None and tag > bound):
+        return None, None
+    return records_value(state[CSTATE], state[CSTATE_ARRAYS]), tag

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Callable
@@ -43,6 +44,9 @@ from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split,
 from ..plugins import method_class
 from .client_app import global_state_records, job_text
 from .records import control, from_records, load_client_state, save_client_state, state_tag, to_records
+
+
+RESTART_LOOK = 2.0  # s between a round's looks for restarted SuperNodes (FedltStrategy.exchange)
 
 
 class FedltStrategy(Strategy):
@@ -85,29 +89,51 @@ class FedltStrategy(Strategy):
         return FlwrMessage(rd, dst_node_id=self.nodes[cid], message_type=mtype, group_id=group,
                            ttl=max(self.round_timeout, 1.0) + 60.0)
 
-    def exchange(self, grid: Grid, msgs: dict[int, FlwrMessage], timeout: float) -> tuple[dict, dict]:
+    def exchange(self, grid: Grid, msgs: dict[int, FlwrMessage], timeout: float,
+                 resend: bool = True) -> tuple[dict, dict]:
         """Send one message per client and wait (at most ``timeout`` s) for the replies.
-        Returns ({cid: reply RecordDict}, {cid: why it is missing})."""
+        Returns ({cid: reply RecordDict}, {cid: why it is missing}). With ``resend``, a client whose SuperNode
+        restarts meanwhile (it comes back as a new node and says it is that client) is sent its message again
+        there, so a SuperNode killed in the middle of a round and restarted with its ``--state-dir`` still
+        answers that round."""
         cids = list(msgs)
         ids = list(grid.push_messages([msgs[c] for c in cids]))
         pending = {mid: cid for mid, cid in zip(ids, cids) if mid}
         why = {cid: "the message could not be pushed" for mid, cid in zip(ids, cids) if not mid}
+        sent_to = {cid: msgs[cid].metadata.dst_node_id for cid in cids}
         got: dict[int, RecordDict] = {}
         end = time.monotonic() + timeout
+        look = time.monotonic() + RESTART_LOOK
         while pending:
             for r in grid.pull_messages(list(pending)):
                 cid = pending.pop(r.metadata.reply_to_message_id, None)
-                if cid is None:
+                if cid is None or cid in got:
                     continue
+                for mid in [m for m, c in pending.items() if c == cid]:  # an earlier copy's reply no longer counts
+                    del pending[mid]
                 if r.has_error():
                     last = ((r.error.reason or "").strip().splitlines() or [""])[-1]  # a traceback's last line
                     why[cid] = f"error {r.error.code}: {last}"
                 else:
                     got[cid] = r.content
+                    why.pop(cid, None)
             if not pending or time.monotonic() >= end:
                 break
+            if resend and time.monotonic() >= look:
+                look = time.monotonic() + RESTART_LOOK
+                self.connect(grid, wait=False)
+                again = {cid: m for cid, m in msgs.items() if cid in pending.values() and
+                         self.nodes.get(cid, sent_to[cid]) != sent_to[cid]}
+                for cid, m in again.items():
+                    sent_to[cid] = self.nodes[cid]
+                    self.echo(f"client {cid} is back on SuperNode {sent_to[cid]}: its message is sent again")
+                    copy = FlwrMessage(m.content, dst_node_id=sent_to[cid], message_type=m.metadata.message_type,
+                                       group_id=m.metadata.group_id, ttl=m.metadata.ttl)
+                    for mid in grid.push_messages([copy]):
+                        if mid:
+                            pending[mid] = cid
             time.sleep(self.poll_interval)
-        for cid in pending.values():
+        for cid in set(pending.values()):
             why[cid] = f"no reply within {timeout:g} s"
         return got, why
 
@@ -123,7 +149,8 @@ class FedltStrategy(Strategy):
                     rd = RecordDict({"fedlt": ConfigRecord({"run": self.job})})
                     msgs[-1 - i] = FlwrMessage(rd, dst_node_id=n, message_type="query.describe", group_id="describe",
                                                ttl=self.wait_timeout + 60.0)
-                got, why = self.exchange(grid, msgs, min(self.round_timeout, max(end - time.monotonic(), 1.0)))
+                got, why = self.exchange(grid, msgs, min(self.round_timeout, max(end - time.monotonic(), 1.0)),
+                                         resend=False)
                 for key, reason in why.items():
                     self.failed_nodes[new[-1 - key]] = reason
                 for key, rd in got.items():
@@ -195,7 +222,7 @@ class FedltStrategy(Strategy):
             rd = to_records(self.method.eval_payload(self.state, cid), what="evaluation payload")
             for k, v in extra.items():
                 rd[k] = v
-            msgs[cid] = self._message(rd, cid, "evaluate", ctl, "evaluate")
+            msgs[cid] = self._message(rd, cid, "evaluate", {**ctl, **self.transport.state_control(cid)}, "evaluate")
         return msgs
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[FlwrMessage]) -> MetricRecord | None:
@@ -270,17 +297,42 @@ class FedltStrategy(Strategy):
 
 class GridTransport:
     """The driver's transport over a Flower ``Grid``: one message per client (``train`` with the round and,
-    in its config, the round's lr; ``train.phase``, ``evaluate``), replies within ``round_timeout``; clients that fail or stay silent
-    are missing. Client states stay on the clients; on an :class:`~fedlt.flower.inprocess.InProcessGrid`,
-    whose nodes live in this process, they are read for checkpoints and written back on resume."""
+    in its config, the round's lr; ``train.phase``, ``evaluate``), replies within ``round_timeout``; clients that
+    fail or stay silent are missing.
+
+    Client states stay on the clients (in ``context.state`` and a SuperNode's ``--state-dir``); they belong to
+    the fedlt run, whose id (``run``) a checkpoint keeps, so that a resumed run (a new Flower run) finds them.
+    Every message says which round the client's state must reflect and which rounds the server may resume from
+    (:meth:`state_control`), so that a run resumed from its checkpoint of round r rolls each client back to the
+    version of round r. On an :class:`~fedlt.flower.inprocess.InProcessGrid`, whose nodes live in this process,
+    the states are also read for checkpoints and written back on resume."""
 
     def __init__(self, strategy: FedltStrategy, grid: Grid | None = None):
         self.st, self.grid = strategy, grid
         self.store: ClientStates | None = None  # the run directory's copy of the client states (checkpoints)
+        self.run = uuid.uuid4().hex[:16]  # the fedlt run's id; a resumed run takes its checkpoint's
+        self.session = 0  # how many times the run was resumed: messages of an earlier start are refused
+        self.at = 0  # the round the clients' newest states reflect (a phase's: after the last round)
+        self.expect: dict[int, int] = {}  # client -> the round of its last state the server knows it kept
+        self.checkpointed: list[int] = []  # the rounds of the checkpoints the run directory keeps (newest last)
 
     def reachable(self, cids) -> dict[int, str]:
         self.st.connect(self.grid, wait=False)  # SuperNodes that (re)appeared since the last round
         return {cid: "no SuperNode for this client" for cid in cids if cid not in self.st.nodes}
+
+    def state_control(self, cid: int, bound: int | None = None) -> dict:
+        """What a message tells client ``cid`` about its state: the fedlt run and its start (``session``), the
+        round the state must reflect (``state-round``; default: the newest), the round of the last state the
+        server knows it kept (``expect``) and the rounds the server may resume from (``keep``)."""
+        bound = self.at if bound is None else bound
+        expect = self.expect.get(cid, 0)
+        return {"fedlt-run": self.run, "session": self.session, "state-round": int(bound),
+                "expect": int(expect if expect <= bound else 0), "keep": ",".join(map(str, self.checkpointed))}
+
+    def _tag(self, kind: str, index: int) -> tuple[int, int]:
+        """(the round a client's state must reflect before this exchange, the round of the states it writes)."""
+        written = index if kind == TRAINING else self.st.cfg.rounds + 1 + index
+        return (index - 1 if kind == TRAINING else self.st.cfg.rounds + index), written
 
     def messages(self, kind: str, index: int, payloads: dict[int, Message]) -> dict[int, FlwrMessage]:
         """One Flower message per client: a round's ``train`` (its round) or a phase's ``train.phase`` (its name
@@ -288,10 +340,19 @@ class GridTransport:
         st = self.st
         ctl = {"round": index} if kind == TRAINING else {"phase": kind, "index": index}
         mtype, group = ("train", str(index)) if kind == TRAINING else ("train.phase", f"phase-{index}")
-        return {cid: st._message(p, cid, mtype, ctl, group) for cid, p in payloads.items()}
+        bound, _ = self._tag(kind, index)
+        return {cid: st._message(p, cid, mtype, {**ctl, **self.state_control(cid, bound)}, group)
+                for cid, p in payloads.items()}
 
     def send_and_receive(self, kind: str, index: int, payloads: dict[int, Message]):
         got, why = self.st.exchange(self.grid, self.messages(kind, index, payloads), self.st.round_timeout)
+        _, written = self._tag(kind, index)
+        self.at = written
+        for cid, rd in got.items():
+            if bool(control(rd).get("has-state", True)):
+                self.expect[cid] = written
+            else:
+                self.expect.pop(cid, None)
         return [(cid, from_records(got[cid])) for cid in sorted(got)], why
 
     def evaluate(self, method: Method, state: dict, split: str, clients: list[int] | None = None):
@@ -301,10 +362,13 @@ class GridTransport:
     def client_states(self) -> dict:
         """The client states within reach (an in-process grid's nodes), by client id."""
         ctxs = self._contexts()
-        states = {cid: load_client_state(ctxs[n].state, cid) for cid, n in sorted(self.st.nodes.items()) if n in ctxs}
+        states = {cid: load_client_state(ctxs[n].state, cid)[0] for cid, n in sorted(self.st.nodes.items())
+                  if n in ctxs}
         return {cid: s for cid, s in states.items() if s is not None}
 
     def _contexts(self) -> dict:
+        if getattr(self.grid, "remote", False):
+            return {}
         return getattr(self.grid, "contexts", {})  # in-process nodes; a SuperLink's are out of reach
 
     def keep_states_in(self, directory, fresh: bool = False) -> None:
@@ -314,24 +378,39 @@ class GridTransport:
         self.store.attach(directory, fresh)
 
     def state_dict(self) -> dict:
+        """What a checkpoint keeps of the clients (it is called as one is written): the run's id, its start,
+        the rounds of the clients' states the server knows of and the checkpointed rounds -- and, on an
+        in-process grid, an index of the states copied into the run directory."""
+        self.checkpointed = (self.checkpointed + [self.st.driver.round])[-2:]
+        out = {"run": self.run, "session": self.session, "at": self.at,
+               "expect": {str(c): t for c, t in sorted(self.expect.items())}, "checkpointed": list(self.checkpointed)}
         ctxs, store = self._contexts(), self.store
+        if not ctxs:
+            return out
         if store is None:
-            return self.client_states
+            return {**out, "states": self.client_states}
         for cid, n in sorted(self.st.nodes.items()):
             tag = state_tag(ctxs[n].state, cid) if n in ctxs else None
             if tag is not None and (cid not in store or store.tag_of(cid) != tag):
                 store.tag = tag
-                store[cid] = load_client_state(ctxs[n].state, cid)
-        return store.commit()
+                store[cid] = load_client_state(ctxs[n].state, cid)[0]
+        return {**out, **store.commit()}
 
     def load_state_dict(self, d: dict) -> None:
         ctxs, d = self._contexts(), dict(d)
+        if "run" in d:  # the fedlt run's own record (older checkpoints: the client states alone)
+            self.run, self.session = str(d.pop("run")), int(d.pop("session", -1)) + 1
+            self.at = int(d.pop("at", self.st.driver.round))
+            self.expect = {int(c): int(t) for c, t in dict(d.pop("expect", {})).items()}
+            self.checkpointed = [int(r) for r in d.pop("checkpointed", [])]
+        else:
+            self.at = self.st.driver.round
         if "versions" in d:  # an index of the run directory's store
             self.store.restore(d)
             states = {cid: (self.store[cid], self.store.tag_of(cid)) for cid in self.store}
         else:
-            states = {int(cid): (cstate, 0) for cid, cstate in d.items()}
+            states = {int(cid): (cstate, 0) for cid, cstate in d.get("states", d).items()}
         for cid, (cstate, tag) in states.items():
             node = self.st.nodes.get(int(cid))
             if node in ctxs:
-                save_client_state(ctxs[node].state, cstate, int(cid), tag=tag)
+                save_client_state(ctxs[node].state, cstate, int(cid), run=self.run, tag=tag)
