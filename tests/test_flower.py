@@ -322,6 +322,50 @@ def test_a_diverging_flower_run_stops_with_exit_3_like_the_simulation(tmp_path, 
 
 
 # ------------------------------------------------------------------------------------------- resume
+def test_a_restarted_supernodes_copy_is_awaited_though_the_dead_nodes_copy_fails(monkeypatch):
+    """A SuperNode killed mid-round and restarted is sent the round's message again. The SuperLink later fails
+    the first copy (the dead node's heartbeat stopped): that error must not record the client missing while the
+    copy re-sent is still on its way; a node that never comes back is still recorded missing with its error."""
+    from types import SimpleNamespace
+
+    import fedlt.flower.strategy as strategy
+    from flwr.app import ConfigRecord, Message as FlwrMessage, RecordDict
+
+    monkeypatch.setattr(strategy, "RESTART_LOOK", 0.0)
+
+    class Grid:
+        def __init__(self, back: bool):
+            self.pushed, self.back, self.pulls = [], back, 0
+
+        def push_messages(self, msgs):
+            self.pushed += [m.metadata.dst_node_id for m in msgs]
+            return [f"m{len(self.pushed) - len(msgs) + i}" for i in range(len(msgs))]
+
+        def pull_messages(self, ids):
+            self.pulls += 1
+            if "m0" in ids and (len(self.pushed) > 1 or not self.back):  # the dead node's copy fails
+                err = SimpleNamespace(code=5, reason="Node Unavailable")
+                return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="m0"), error=err,
+                                        has_error=lambda: True, content=None)]
+            if "m1" in ids and self.pulls > 3:
+                return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="m1"), error=None,
+                                        has_error=lambda: False, content="trained")]
+            return []
+
+    for back in (True, False):
+        grid = Grid(back)
+        st = SimpleNamespace(nodes={0: 10}, poll_interval=0.0, echo=lambda s: None)
+        st.connect = lambda g, wait=False: st.nodes.update({0: 20} if back and g.pulls > 1 else {})
+        with server_identity():
+            msg = FlwrMessage(RecordDict({"c": ConfigRecord({"x": 1})}), dst_node_id=10, message_type="train",
+                              group_id="2", ttl=60.0)
+            got, why = FedltStrategy.exchange(st, grid, {0: msg}, timeout=5.0)
+        if back:
+            assert grid.pushed == [10, 20] and got == {0: "trained"} and why == {}, (got, why)
+        else:
+            assert grid.pushed == [10] and got == {} and why == {0: "error 5: Node Unavailable"}, why
+
+
 # the child's rounds are slowed down, not changed, so that the signal lands mid-run whatever the machine's load
 SLOW_ROUNDS = ("import time\nimport fedlt.engine.driver as D\norig = D.Driver.train_round\n"
                "def slow(self):\n    time.sleep(0.3)\n    return orig(self)\nD.Driver.train_round = slow\n")

@@ -101,6 +101,7 @@ class FedltStrategy(Strategy):
         pending = {mid: cid for mid, cid in zip(ids, cids) if mid}
         why = {cid: "the message could not be pushed" for mid, cid in zip(ids, cids) if not mid}
         sent_to = {cid: msgs[cid].metadata.dst_node_id for cid in cids}
+        node_of = {mid: sent_to[cid] for mid, cid in pending.items()}  # where each copy went
         got: dict[int, RecordDict] = {}
         end = time.monotonic() + timeout
         look = time.monotonic() + RESTART_LOOK
@@ -109,6 +110,9 @@ class FedltStrategy(Strategy):
                 cid = pending.pop(r.metadata.reply_to_message_id, None)
                 if cid is None or cid in got:
                     continue
+                stale = node_of[r.metadata.reply_to_message_id] != sent_to[cid]
+                if r.has_error() and stale and cid in pending.values():
+                    continue  # the dead node's copy failed (its heartbeat stopped); the copy re-sent is awaited
                 for mid in [m for m, c in pending.items() if c == cid]:  # an earlier copy's reply no longer counts
                     del pending[mid]
                 if r.has_error():
@@ -132,6 +136,7 @@ class FedltStrategy(Strategy):
                     for mid in grid.push_messages([copy]):
                         if mid:
                             pending[mid] = cid
+                            node_of[mid] = sent_to[cid]
             time.sleep(self.poll_interval)
         for cid in set(pending.values()):
             why[cid] = f"no reply within {timeout:g} s"
