@@ -9,6 +9,9 @@ for _k, _v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_G
     os.environ.setdefault(_k, _v)
 os.environ.pop("MLFLOW_TRACKING_URI", None)  # the local store inside --out
 os.environ.pop("WANDB_API_KEY", None)
+# Hugging Face and Flower Datasets: no network, no telemetry in any test (docs/flower-datasets.md names these)
+os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+                   "FLWR_TELEMETRY_ENABLED": "0"})
 
 import pytest
 import torch

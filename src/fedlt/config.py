@@ -101,6 +101,16 @@ class RunConfig:
     synthetic_per_class: int | None = setting(None, "training samples per class of the synthetic dataset",
                                               low=1, limit=10**6,
                                               group=DATA, none_means="600")
+    # Hugging Face datasets (--dataset hf:NAME) and Flower Datasets partitioners (--partition flwr:CLASS): data/hf.py
+    image_column: str | None = setting(None, "hf: datasets: the column of images (PIL or arrays) or feature vectors",
+                                       metavar="COLUMN", group=DATA,
+                                       none_means="the first Image column, else image or img")
+    label_column: str | None = setting(None, "hf: datasets: the column of class labels", metavar="COLUMN",
+                                       group=DATA, none_means="the first ClassLabel column, else label")
+    partition_args: dict[str, Any] = setting(factory=dict, help="flwr: partitions: the Flower Datasets "
+                                                                "partitioner's arguments ([partition_args] in "
+                                                                "TOML, --set partition.KEY=VALUE)",
+                                             cli=False, group=DATA)
     # model and local training
     model: str | None = setting(None, "model", registry=MODELS, group=TRAIN, none_means="the dataset's default")
     rounds: int = setting(50, "communication rounds", low=1, limit=10**6, group=TRAIN)
@@ -194,7 +204,8 @@ class RunConfig:
     def dataset_kw(self) -> dict:
         """Settings passed to the dataset's loader."""
         return {**({"image_size": self.image_size} if self.image_size else {}),
-                **({"n_per_class": self.synthetic_per_class} if self.synthetic_per_class else {})}
+                **({"n_per_class": self.synthetic_per_class} if self.synthetic_per_class else {}),
+                **{k: v for k in ("image_column", "label_column") if (v := getattr(self, k)) is not None}}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -238,6 +249,10 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
             raise ConfigError(f"params must be a table of method parameters ([params] in TOML), got "
                               f"{where['params']!r}")
     params = {**values.pop("params", {}), **overrides.pop("params", {})}
+    params, given_args = partition_args_of(params)
+    if given_args:
+        overrides["partition_args"] = {**values.get("partition_args", {}), **given_args,
+                                       **overrides.get("partition_args", {})}
     preset = overrides.get("preset", values.get("preset"))
     merged: dict[str, Any] = {}
     if preset is not None:
@@ -262,6 +277,31 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     cfg = RunConfig(**{k: coerce(SETTINGS[k], v) for k, v in merged.items()}, params=params)
     validate(cfg)
     return cfg
+
+
+def name_part(value: str) -> str:
+    """A dataset or partition name as part of a directory name: ``hf:/data/my set`` -> ``hf-my-set``,
+    ``hf:uoft-cs/cifar10`` -> ``hf-cifar10``, ``flwr:IidPartitioner`` -> ``flwr-IidPartitioner``."""
+    import re
+
+    head, sep, rest = value.partition(":")
+    if sep:
+        value = f"{head}-{Path(rest.rstrip('/')).name or rest}"
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", value)
+
+
+def partition_args_of(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Method parameters and the partitioner's arguments, apart: ``--set partition.KEY=VALUE`` (and a TOML
+    ``[params.partition]`` table) are arguments of a ``flwr:`` partition, the rest the method's."""
+    rest, args = {}, {}
+    for k, v in params.items():
+        if k == "partition" and isinstance(v, dict):
+            args.update(v)
+        elif k.startswith("partition."):
+            args[k[len("partition."):]] = v
+        else:
+            rest[k] = v
+    return rest, args
 
 
 def read_json_file(path: str, what: str) -> Any:
@@ -334,6 +374,15 @@ def validate(cfg: RunConfig) -> None:
     takers = partitions_reading("balance")
     if cfg.balance and cfg.partition not in takers:
         raise ConfigError(f"--balance applies to the {words(takers, 'and')} partitions, not {cfg.partition}")
+    if (cfg.image_column or cfg.label_column) and not getattr(loader, "columns", False):
+        raise ConfigError(f"--image-column and --label-column apply to Hugging Face datasets (--dataset hf:NAME), "
+                          f"not {cfg.dataset}")
+    part = PARTITIONS.get(cfg.partition)
+    if cfg.partition_args and not hasattr(part, "check_args"):
+        raise ConfigError(f"partition arguments (--set partition.KEY=VALUE, [partition_args]) apply to Flower "
+                          f"Datasets partitions (--partition flwr:CLASS), not {cfg.partition}")
+    if hasattr(part, "check_args"):  # the partitioner made once with its arguments: a bad one fails here
+        part.check_args(cfg.clients, cfg.seed, cfg.partition_args)
     if cfg.image_size is not None and not getattr(loader, "image_size", False):
         raise ConfigError(f"--image-size applies to {having(DATASETS, 'image_size', ' and ')}, not {cfg.dataset}")
     if cfg.synthetic_per_class is not None and not getattr(loader, "per_class", False):

@@ -48,6 +48,8 @@ class Registry:
         self._plugins: dict[str, Any] | None = None  # entry points found but not imported yet; None: not looked
         self._broken: dict[str, str] = {}  # plugin name -> the one-line reason it is not available
         self._warned: set[str] = set()
+        self._prefixes: dict[str, tuple[Callable[[str], Any], str]] = {}  # "hf" -> (factory, what NAME means)
+        self._made: dict[str, Any] = {}  # "hf:NAME" -> what its prefix's factory made of NAME
 
     def register(self, name: str, obj: Any = None):
         def deco(o):
@@ -79,6 +81,26 @@ class Registry:
                     importlib.import_module(f"{package}.{m.name}")
 
         self.add_loader(load)
+
+    def add_prefix(self, prefix: str, factory: Callable[[str], Any], what: str) -> None:
+        """Names ``PREFIX:REST`` stand for ``factory(REST)`` (made once per name, at its first lookup): entries
+        that come from outside fedlt's own list -- a Hugging Face dataset (``hf:NAME``), a Flower Datasets
+        partitioner (``flwr:CLASS``). ``what`` says what REST is, for the unknown-name error and listings. The
+        factory raises ConfigError (one line) for a REST it cannot make."""
+        self._prefixes[prefix] = (factory, what)
+
+    def prefixes(self) -> dict[str, str]:
+        """``{"hf": "a Hugging Face dataset ..."}``: the prefixes this registry takes, and what follows them."""
+        self._load()
+        return {p: what for p, (_, what) in self._prefixes.items()}
+
+    def _made_of(self, name: str) -> Any:
+        prefix, _, rest = name.partition(":")
+        if name not in self._made:
+            if not rest:
+                raise ConfigError(f"{self.kind} {name!r}: say what follows {prefix}: ({self._prefixes[prefix][1]})")
+            self._made[name] = self._prefixes[prefix][0](rest)
+        return self._made[name]
 
     def _load(self) -> None:
         while self._loaders:
@@ -183,6 +205,8 @@ class Registry:
     # ---------------------------------------------------------------- lookup
     def get(self, name: str) -> Any:
         self._load()
+        if name not in self._items and name.partition(":")[0] in self._prefixes:
+            return self._made_of(name)
         if name not in self._items and self._plugins and name in self._plugins:
             self._load_plugin(name)
         if name not in self._items and name in self._broken:
@@ -191,8 +215,9 @@ class Registry:
             known = sorted(set(self._items) | set(self._plugins or {}))
             close = difflib.get_close_matches(name, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
+            more = "".join(f", or {p}:NAME ({what})" for p, (_, what) in self._prefixes.items())
             raise ConfigError(
-                f"unknown {self.kind} {name!r}{hint}; choose one of: {', '.join(known)} "
+                f"unknown {self.kind} {name!r}{hint}; choose one of: {', '.join(known)}{more} "
                 f"(`fedlt list` shows them all)"
             )
         return self._items[name]
@@ -207,7 +232,7 @@ class Registry:
 
     def __contains__(self, name: str) -> bool:
         self._load()
-        return name in self._items or name in (self._plugins or {})
+        return name in self._items or name in (self._plugins or {}) or name in self._made
 
 
 METHODS = Registry("method", group="fedlt.methods")

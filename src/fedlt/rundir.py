@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import RunConfig, parse_milestones
+from .config import RunConfig, name_part, parse_milestones
 from .core.method import Method, RunSpec
 from .data import Federation, build_federation
 from .data.partition import partition_settings
@@ -94,8 +94,8 @@ def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
 
 
 def run_dir_for(cfg: RunConfig) -> Path:
-    name = cfg.name or (f"{cfg.method}-{cfg.dataset}-rho{cfg.imbalance_ratio:g}-{cfg.partition}"
-                        f"-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    name = cfg.name or (f"{cfg.method}-{name_part(cfg.dataset)}-rho{cfg.imbalance_ratio:g}-"
+                        f"{name_part(cfg.partition)}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Path(cfg.out) / name
 
 

@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     shared, per_method = {}, {}
     for k, v in parse_set(args.set).items():
-        if "." in k:
+        if "." in k and not k.startswith("partition."):  # partition.KEY: a flwr: partition's argument
             m, key = k.split(".", 1)
             per_method.setdefault(m, {})[key] = v
         else:

@@ -72,6 +72,8 @@ def main(args) -> int:
         for name, obj in reg.items():
             reads = ", ".join(f"--{v.replace('_', '-')}" for v in getattr(obj, "settings", {}).values())
             print(f"  {name:<14} {_first_line(obj)}" + (f" [{reads}]" if reads else ""))
+        for prefix, what in reg.prefixes().items():  # hf:NAME, flwr:CLASS (docs/flower-datasets.md)
+            print(f"  {prefix + ':NAME':<14} {what}")
     from ..papers import presets as paper_presets
 
     papers = paper_presets()

@@ -19,7 +19,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p, RunConfig, groups=groups)
     groups["training"].add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                                     help="method hyper-parameter, repeatable (e.g. --set mu=0.01; `fedlt list "
-                                         "METHOD` shows them)")
+                                         "METHOD` shows them); --set partition.KEY=VALUE: an argument of a "
+                                         "flwr: partition")
 
 
 def parse_set(items: list[str], option: str = "--set") -> dict[str, str]:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import RunConfig, load_config, read_toml
+from ..config import RunConfig, load_config, name_part, read_toml
 from ..errors import ConfigError, Diverged
 from ..preempt import Preempted, installed
 
@@ -210,8 +210,8 @@ def compare_sweep(base: RunConfig, methods: list[str], seeds: list[int], out: st
 
 
 def setting_label(cfg: RunConfig) -> str:
-    part = cfg.partition + (f"{cfg.alpha:g}" if cfg.partition == "dirichlet" else "")
-    return f"{cfg.dataset}-rho{cfg.imbalance_ratio:g}-{part}-K{cfg.clients}"
+    part = name_part(cfg.partition) + (f"{cfg.alpha:g}" if cfg.partition == "dirichlet" else "")
+    return f"{name_part(cfg.dataset)}-rho{cfg.imbalance_ratio:g}-{part}-K{cfg.clients}"
 
 
 # ------------------------------------------------------------------------------------------------ running

@@ -27,11 +27,14 @@ def to_run_config(cfg: RunConfig, **flower: Any) -> dict[str, Any]:
     """The nested dict for ``[tool.flwr.app.config]`` (Flower flattens ``params`` / ``flower`` with dots)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(RunConfig):
-        if f.name == "params":
+        if f.name in ("params", "partition_args"):
             continue
         v = getattr(cfg, f.name)
         out[f.name.replace("_", "-")] = "" if v is None else v
-    out["params"] = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in cfg.params.items()}
+    scalar = lambda v: v if isinstance(v, (bool, int, float, str)) else str(v)  # noqa: E731  (lists as text)
+    out["params"] = {k: scalar(v) for k, v in cfg.params.items()}
+    if cfg.partition_args:  # a flwr: partition's arguments, read back as --set partition.KEY=VALUE
+        out["partition-args"] = {k: scalar(v) for k, v in cfg.partition_args.items()}
     opts = {**FLOWER_DEFAULTS, **{k.replace("_", "-"): float(v) for k, v in flower.items() if v is not None}}
     unknown = set(opts) - set(FLOWER_DEFAULTS)
     if unknown:
@@ -58,6 +61,8 @@ def from_run_config(run_config: dict[str, Any]) -> tuple[RunConfig, dict[str, fl
     for key, v in run_config.items():
         if key.startswith("params."):
             params[key[len("params."):]] = v
+        elif key.startswith("partition-args."):
+            params["partition." + key[len("partition-args."):]] = v
         elif key.startswith("flower."):
             name = key[len("flower."):]
             if name not in FLOWER_DEFAULTS:
