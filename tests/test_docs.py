@@ -214,3 +214,19 @@ def test_trackers_page_runs(tmp_path):
     rows = [line.split() for line in out.splitlines() if line.startswith("round ")]
     assert [r[1] for r in rows] == ["1", "2", "3"] and all(r[5] == r[7] for r in rows)  # jsonl == MLflow
     assert list(work.glob("runs/first/wandb/offline-run-*/run-*.wandb"))
+
+
+def test_flower_datasets_page_runs(tmp_path):
+    """docs/flower-datasets.md: a saved Hugging Face dataset run, Flower Datasets partitioners, the one-line error
+    of an unknown partitioner, and LongTailPartitioner giving the run's clients (offline, telemetry off; this
+    tree's fedlt, not the installed one)."""
+    pytest.importorskip("flwr_datasets")
+    work = tmp_path / "work"
+    work.mkdir()
+    doc = ROOT / "docs" / "flower-datasets.md"
+    env = doc_env(tmp_path)
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env["PYTHONPATH"]]))
+    outputs = run_blocks(doc.name, doc.read_text(), work, env)
+    assert len(outputs) == 6 and "the same rows as partition.json: True" in outputs[-1]
+    runs = [p.name for p in (work / "runs").iterdir() if p.is_dir()]
+    assert len(runs) == 3 and "digits-hf" in runs and not [r for r in runs if "flwr-Dirichlet-" in r]
