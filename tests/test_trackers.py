@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ pytest.importorskip("wandb")
 from fedlt.cli import main as cli_main  # noqa: E402
 from fedlt.config import load_config  # noqa: E402
 from fedlt.rundir import run  # noqa: E402
+from fedlt.trackers import wandb_records  # noqa: E402
 
 from slowsite import slow_env  # noqa: E402
 
@@ -94,31 +94,30 @@ def test_mlflow_holds_every_rounds_metrics_of_metrics_jsonl_with_settings_and_fi
 
 
 def _wandb_records(run_dir: Path) -> list:
-    """The records of a run's offline .wandb file, read with wandb's own protobuf classes. The file is a
-    LevelDB-style log: a 7-byte header (':W&B', magic, version), then 32 KiB blocks of chunks, each with a
-    7-byte header (CRC, length, type: 1 full, 2 first, 3 middle, 4 last)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
+    """The records of a run's (one) offline .wandb file, read with wandb's own protobuf classes, once W&B's
+    service has written it to its end (``exit``: it writes after ``finish()`` returns)."""
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    out, pos, buf, block = [], 7, b"", 32768
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # a block's tail too short for a header is padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind == 0 and length == 0:
-            continue
-        buf = chunk if kind in (1, 2) else buf + chunk
-        if kind in (1, 4):
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            out.append(rec)
-    return out
+    _written(path)
+    return wandb_records(path)
+
+
+def _written(path: Path, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(path)) and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def _wandb_rows(run_dir: Path) -> list[tuple[str, int, dict]]:
+    """(offline folder, step, items) of every history row in the run's offline .wandb files."""
+    rows = []
+    paths = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    _written(paths[-1])  # the last session's (a killed one has no exit record)
+    for path in paths:
+        for r in wandb_records(path):
+            if r.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+                rows.append((path.parent.name, r.history.step.num, items))
+    return rows
 
 
 def test_wandb_offline_run_holds_every_rounds_metrics_and_the_settings(tracked):
@@ -128,12 +127,9 @@ def test_wandb_offline_run_holds_every_rounds_metrics_and_the_settings(tracked):
     (runrec,) = [r.run for r, k in zip(recs, kinds) if k == "run"]
     assert runrec.display_name == "a"
     assert json.loads((d / "trackers.json").read_text())["wandb"]["id"] == runrec.run_id
-    steps: dict[int, dict] = {}
-    for r, k in zip(recs, kinds):
-        if k == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            steps.setdefault(r.history.step.num, {}).update(items)
+    steps = {step: items for _, step, items in _wandb_rows(d)}
     rounds = _rounds(d)
+    assert sorted(steps) == [x["round"] for x in rounds]
     for x in rounds:
         for key, want in EXPECTED.items():
             assert steps[x["round"]][key] == pytest.approx(want(x)), (x["round"], key)
@@ -142,6 +138,12 @@ def test_wandb_offline_run_holds_every_rounds_metrics_and_the_settings(tracked):
         if k == "config":
             config.update({i.key: json.loads(i.value_json) for i in r.config.update})
     assert config["imbalance_ratio"] == 10.0 and config["method"] == "fedavg"
+    summary = {}
+    for r, k in zip(recs, kinds):
+        if k == "summary":
+            summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
+    final = next(x["final"] for x in _records(d) if "final" in x)
+    assert summary["final/GM/global/acc"] == pytest.approx(final["global"]["global"]["acc"])
     files = {p.name for p in d.glob("wandb/offline-run-*/files/*")}
     assert {"partition.json", "summary.json", "metrics.jsonl"} <= files
 
@@ -157,17 +159,20 @@ def test_tensorboard_events_are_the_same_records(tracked):
                                                                 for x in _rounds(d)], key
 
 
-def test_kill_9_and_resume_continue_the_same_mlflow_run_without_a_step_twice(tmp_path):
+def test_kill_9_and_resume_continue_the_same_tracked_runs_without_a_step_twice(tmp_path):
     """Killed after round 4 was logged, with the last checkpoint after round 3: the resumed run trains round 4
-    again, and MLflow's run (the same one) still holds each round once, equal to metrics.jsonl."""
+    again, and MLflow's run (the same one) still holds each round once, equal to metrics.jsonl; so do W&B's
+    offline files of the run (the killed process's and the resumed one's, one run id), whatever W&B had not
+    written yet when the process was killed."""
     out = tmp_path / "runs"
     argv = [sys.executable, "-m", "fedlt", "run", "--dataset", "digits", "--rho", "10", "--clients", "4",
             "--alpha", "1", "--rounds", "6", "--eval-every", "1", "--local-epochs", "1", "--batch-size", "16",
-            "--model", "mlp", "--threads", "1", "--out", str(out), "--name", "k", "--tracker", "mlflow",
+            "--model", "mlp", "--threads", "1", "--out", str(out), "--name", "k", "--tracker", "mlflow,wandb",
             "--checkpoint-every", "3", "--no-progress"]
     d = out / "k"
-    p = subprocess.Popen(argv, env=slow_env(tmp_path, 1.0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         start_new_session=True)
+    env = slow_env(tmp_path, 1.0)
+    env.pop("WANDB_SERVICE", None)  # its own W&B service, killed with it (not this process's)
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and p.poll() is None:
@@ -194,6 +199,13 @@ def test_kill_9_and_resume_continue_the_same_mlflow_run_without_a_step_twice(tmp
     assert [x["round"] for x in rounds] == [1, 2, 3, 4, 5, 6]
     for key, want in EXPECTED.items():
         assert _history(client, after.info.run_id, key) == [(x["round"], pytest.approx(want(x))) for x in rounds], key
+    rows = _wandb_rows(d)
+    assert len({folder for folder, _, _ in rows}) == 2  # the killed session's and the resumed one's
+    assert {p.name.split("-")[-1] for p in d.glob("wandb/offline-run-*")} == {json.loads((d / "trackers.json").read_text())["wandb"]["id"]}
+    assert sorted(step for _, step, _ in rows) == [1, 2, 3, 4, 5, 6]
+    by_step = {step: items for _, step, items in rows}
+    for x in rounds:
+        assert by_step[x["round"]]["eval/GM/global/acc"] == pytest.approx(EXPECTED["eval/GM/global/acc"](x))
 
 
 def test_sweep_runs_are_nested_under_one_mlflow_parent_and_one_wandb_group(tmp_path):

@@ -20,8 +20,10 @@ directory's ``tensorboard/``.
 
 Resuming (``--resume``, a sweep restarted) continues the same tracked run: ``trackers.json`` in the run
 directory keeps each tracker's run id and how many records it has; records a killed run had already logged
-are not logged again (MLflow's count is a tag written in the same call as the step's metrics; TensorBoard
-drops the events past the checkpoint itself, with ``purge_step``).
+are not logged again, and none it lost is missing: MLflow's count is a tag written in the same call as the
+step's metrics; an offline W&B run's rounds are read back from its .wandb files (a kill -9 takes the rows W&B
+had not written yet with it); TensorBoard drops the events past the checkpoint itself, with ``purge_step``.
+W&B gets the rounds as steps and the post-training phases and the final evaluation as the run's summary.
 
 Sweeps, ``compare`` and ``reproduce`` group their runs (:func:`start_group`): an MLflow parent run named after
 the sweep folder with the runs nested under it, and a W&B group of that name (``<out>/tracker-group.json``).
@@ -137,7 +139,7 @@ class Tracker:
     def open(self, run: "RunInfo", run_id: str | None) -> str | None:
         raise NotImplementedError
 
-    def logged(self) -> int | None:
+    def logged(self, history: list[dict]) -> int | None:
         return None
 
     def params(self, config: dict) -> None:
@@ -218,7 +220,7 @@ class MLflow(Tracker):
                 self.id = self.client.create_run(exp, run_name=run.name, tags=tags).info.run_id
         return self.id
 
-    def logged(self) -> int:
+    def logged(self, history: list[dict]) -> int:
         return int(self.client.get_run(self.id).data.tags.get(self.records_tag, 0))
 
     def params(self, config: dict) -> None:
@@ -275,6 +277,7 @@ class WandB(Tracker):
         with _quiet():
             import wandb
 
+            self.run_dir = run.dir
             self.run = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "fedlt"), name=run.name, id=run_id,
                 group=run.group.get("name"), dir=str(run.dir), mode=wandb_mode(), reinit="create_new",
@@ -282,11 +285,28 @@ class WandB(Tracker):
                 settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
         return self.run.id
 
+    def logged(self, history: list[dict]) -> int | None:
+        """Offline: the rounds the run's .wandb files hold -- a process killed with -9 takes the rows W&B had
+        not written yet with it, so the records to log again are read from the files, not trusted to
+        trackers.json. Online: None (trackers.json's count)."""
+        if self.run.settings.mode != "offline":
+            return None
+        steps = wandb_steps(self.run_dir, self.run.id)
+        held = 0
+        for rec in history:
+            if rec["round"] not in steps:
+                break
+            held += 1
+        return held
+
     def params(self, config: dict) -> None:
         self.run.config.update(json.loads(json.dumps(config, default=jsonable)), allow_val_change=True)
 
     def step(self, step: int, metrics: dict[str, float], index: int) -> None:
-        self.run.log(metrics, step=step)
+        if any(k.startswith(("final/", "phase/")) for k in metrics):  # after the last round: the run's summary
+            self.run.summary.update(metrics)
+        else:
+            self.run.log(metrics, step=step, commit=True)
 
     def artifacts(self, paths: list[Path], where: str = "") -> None:
         for p in paths:
@@ -296,6 +316,47 @@ class WandB(Tracker):
     def close(self, status: str) -> None:
         with _quiet():
             self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+def wandb_steps(run_dir: Path, run_id: str) -> set[int]:
+    """The history steps that the offline .wandb files of run ``run_id`` in ``run_dir`` hold."""
+    return {r.history.step.num for path in sorted(Path(run_dir).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+            for r in wandb_records(path) if r.WhichOneof("record_type") == "history"}
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a .wandb file (what ``wandb sync`` uploads), read with wandb's protobuf classes. The file
+    is a LevelDB-style log: a 7-byte header (':W&B', magic, version), then 32 KiB blocks of chunks, each with a
+    7-byte header (CRC, length, type: 1 full, 2 first, 3 middle, 4 last); a file cut short ends early."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        return []
+    out, pos, buf, block = [], 7, b"", 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):
+            break
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            rec = pb.Record()
+            try:
+                rec.ParseFromString(buf)
+            except Exception:  # noqa: BLE001 -- a torn last record
+                break
+            out.append(rec)
+    return out
 
 
 class TensorBoard(Tracker):
@@ -355,7 +416,7 @@ class Trackers:
             if name == "tensorboard" and resumed:
                 held = len(history)  # purge_step drops what came after
             elif continued:
-                ok, held = self._guard(t, "start", t.logged)
+                ok, held = self._guard(t, "start", lambda: t.logged(history))
                 if not ok:
                     continue
                 held = int(before.get("records", 0)) if held is None else held
