@@ -210,10 +210,11 @@ def test_trackers_page_runs(tmp_path):
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env["PYTHONPATH"]]), WANDB_MODE="offline",
                WANDB_SILENT="true", MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="1")
     env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("WANDB_SERVICE", None)  # a W&B service of this test process (other tests): the command starts its own
     _, out = run_blocks(doc.name, doc.read_text(), work, env)
     rows = [line.split() for line in out.splitlines() if line.startswith("round ")]
     assert [r[1] for r in rows] == ["1", "2", "3"] and all(r[5] == r[7] for r in rows)  # jsonl == MLflow
-    assert list(work.glob("runs/first/wandb/offline-run-*/run-*.wandb"))
+    assert list(work.glob("runs/first/wandb/offline-run-*/run-*.wandb")), list(work.rglob("*"))[:40]
 
 
 def test_flower_datasets_page_runs(tmp_path):
