@@ -117,6 +117,17 @@ def test_long_tail_partitioner_bad_settings():
         LongTailPartitioner(8, partition="dirichlett")
 
 
+def test_hf_loader_reads_the_samples_and_labels_in_the_stored_order(saved):
+    ref = load_dataset("digits")
+    ds = load_dataset(f"hf:{saved}")  # the Image and ClassLabel columns found by their types
+    assert ds.num_classes == 10 and ds.class_names == [str(c) for c in range(10)]
+    for got, want in ((ds.x_train, ref.x_train), (ds.y_train, ref.y_train), (ds.x_test, ref.x_test),
+                      (ds.y_test, ref.y_test)):
+        assert got.dtype == want.dtype and np.array_equal(got.numpy(), want.numpy())  # PNG: lossless
+    x = ref.x_train.numpy() / 255.0
+    assert np.allclose(ds.mean, [x.mean()]) and np.allclose(ds.std, [x.std()])
+
+
 def test_saved_hf_dataset_runs_end_to_end_and_learns(saved, tmp_path):
     r = fedlt("run", "--dataset", f"hf:{saved}", "--label-column", "digit", "--rho", "10", "--clients", "6",
               "--rounds", "10", "--eval-every", "5", "--threads", "1", "--no-progress", "--out", str(tmp_path),

@@ -144,6 +144,20 @@ def as_images(x: np.ndarray) -> np.ndarray:
                     f"feature vectors")
 
 
+def channel_stats(x: np.ndarray, chunk: int = 4096) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and standard deviation of uint8 images [N, C, H, W] on the 0..1 scale, summed a chunk at
+    a time (no float copy of the whole set)."""
+    c = x.shape[1]
+    s, s2, n = np.zeros(c), np.zeros(c), 0
+    for i in range(0, len(x), chunk):
+        b = x[i:i + chunk].astype(np.float64).transpose(1, 0, 2, 3).reshape(c, -1) / 255.0
+        s, s2, n = s + b.sum(1), s2 + (b * b).sum(1), n + b.shape[1]
+    if n == 0:
+        return (0.0,) * c, (1.0,) * c
+    mean = s / n
+    return tuple(float(m) for m in mean), tuple(max(float(v), 1e-6) for v in np.sqrt(np.maximum(s2 / n - mean ** 2, 0)))
+
+
 def load_hf(source: str, image_column: str | None = None, label_column: str | None = None) -> Dataset:
     d = open_splits(source)
     if "train" not in d:
@@ -164,9 +178,7 @@ def load_hf(source: str, image_column: str | None = None, label_column: str | No
                         f"{xs['test'].shape[1:]}; they must agree")
     feature = xs["train"].shape[2] == 1  # [N, 1, 1, D]: a feature vector
     if xs["train"].dtype == np.uint8:  # images: normalised on the fly, like the built-in sets
-        flat = xs["train"].reshape(len(xs["train"]), xs["train"].shape[1], -1) / 255.0
-        mean = tuple(float(m) for m in flat.mean((0, 2))) if len(flat) else (0.0,)
-        std = tuple(max(float(s), 1e-6) for s in flat.std((0, 2))) if len(flat) else (1.0,)
+        mean, std = channel_stats(xs["train"])
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in xs.items()}
     else:  # numbers: standardised once with the training split's statistics (float32 passes through as is)
         train = xs["train"].astype(np.float32)
