@@ -184,3 +184,14 @@ def test_bad_columns_and_partitioners_are_one_line_exit_2_and_write_nothing(save
     err = r.stderr.strip()
     assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert needle in err and not out.exists()
+
+
+def test_partition_args_reach_a_flower_deployment_run_config():
+    from fedlt.flower.settings import flatten, from_run_config, to_run_config
+
+    cfg = load_config(None, {"dataset": "digits", "partition": "flwr:DirichletPartitioner", "clients": 6,
+                             "params": {"partition.alpha": "0.3", "partition.min_partition_size": 3}})
+    back, _ = from_run_config(flatten(to_run_config(cfg)))
+    assert back.partition_args == cfg.partition_args == {"alpha": "0.3", "min_partition_size": 3}
+    assert back.params == {} and federation_for(back).train_indices()[0].tolist() == \
+        federation_for(cfg).train_indices()[0].tolist()
