@@ -171,13 +171,13 @@ def mlflow_uri(out: Path) -> str:
 def mlflow_client(out: Path):
     """A client of the run's store, and the id of the experiment (``MLFLOW_EXPERIMENT_NAME``, else fedlt) that
     fedlt's runs go to; a local store keeps the artifacts beside it (``<out>/mlartifacts``)."""
-    for name in ("mlflow", "alembic"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a server out of reach: one line soon, not
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")  # minutes of retries
     with _quiet():
         from mlflow.tracking import MlflowClient
 
+        for name in ("mlflow", "alembic"):  # after the import, which sets mlflow's own level
+            logging.getLogger(name).setLevel(logging.ERROR)
         uri = mlflow_uri(out)
         if uri.startswith("sqlite:///"):
             _writable_sqlite(Path(uri[len("sqlite:///"):]))
