@@ -76,3 +76,37 @@ def test_list_names_methods_datasets_models_partitions():
     assert r.returncode == 0
     for word in ("fedavg", "fedprox", "fashion-mnist", "cifar100", "resnet18", "dirichlet", "tau"):
         assert word in r.stdout
+
+
+def rendered(text: str) -> list[str]:
+    """The lines a terminal shows for ``text``: a carriage return moves back to the start of the line, and what
+    follows overwrites what was there (it does not clear the rest)."""
+    lines = []
+    for raw in text.split("\n"):
+        buf: list[str] = []
+        for i, part in enumerate(raw.split("\r")):
+            for col, ch in enumerate(part):
+                if col < len(buf):
+                    buf[col] = ch
+                else:
+                    buf.append(ch)
+        lines.append("".join(buf).rstrip())
+    return lines
+
+
+def test_an_error_after_a_progress_bar_starts_on_a_line_of_its_own(tmp_path):
+    """A run that diverges while its progress bar is shown: the bar's line is cleared, and the one-line error
+    starts a line of its own (it used to be printed at the end of the bar's line)."""
+    import contextlib
+    import io
+
+    from fedlt.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["run", "--method", "fedavg", "--dataset", "digits", "--lr", "50", "--rounds", "4",
+                     "--eval-every", "4", "--diverge-factor", "100", "--threads", "1", "--out", str(tmp_path)])
+    text = err.getvalue()
+    assert code == 3 and "rounds:" in text and "\r" in text  # the bar was drawn
+    (line,) = [x for x in rendered(text) if "fedlt: error:" in x]
+    assert line.startswith("fedlt: error: run diverged in round"), line

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from typing import Any, Callable, Iterable
 
 from .config import RunConfig, load_config
 from .errors import ConfigError
+from .jsonutil import read_json, read_json_lines
 
 Echo = Callable[[str], None]
 METRICS = ("GM", "many", "medium", "few", "PM")
@@ -122,8 +122,9 @@ class RunResult:
 
         self.dir = Path(run_dir)
         cfile, sfile = self.dir / "config.json", self.dir / "summary.json"
-        self.config: dict = json.loads(cfile.read_text()) if cfile.is_file() else dict(config or {})
-        self.summary: dict | None = json.loads(sfile.read_text()) if sfile.is_file() else None
+        hint = "re-run that run or remove its directory"
+        self.config: dict = read_json(cfile, hint=hint) if cfile.is_file() else dict(config or {})
+        self.summary: dict | None = read_json(sfile, hint=hint) if sfile.is_file() else None
         labels = self.config.get("labels") or {}
         self.method = str(method or labels.get("method") or self.config.get("method"))
         self.setting = str(setting or labels.get("setting") or _derived_settings([self.config])[0])
@@ -144,7 +145,7 @@ class RunResult:
         f = self.dir / "metrics.jsonl"
         if not f.is_file():
             return []
-        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        recs = read_json_lines(f, "re-run that run or remove its directory")
         return [r for r in recs if "final" not in r]
 
     @cached_property
@@ -286,6 +287,10 @@ def run(config: RunConfig | Mapping | str | os.PathLike | None = None, /, *, pro
     if resume and not cfg.name:
         raise ConfigError("resuming needs a run name (--name, name=...), so that a rerun finds the same run "
                           "directory")
+    if resume:
+        from .runstate import check_resumable
+
+        check_resumable(rundir.run_dir_for(cfg))
     if checkpoint_every is None:
         from .preempt import DEFAULT_CHECKPOINT_EVERY as checkpoint_every
     if checkpoint_every < 0:

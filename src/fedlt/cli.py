@@ -31,13 +31,32 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+_PARSER: list = []  # built once per process (in-process callers, tests, run many commands)
+
+
+def fresh_line() -> None:
+    """Close the progress bars still open (a run stopped mid-way leaves its bar), which clears their line, so
+    that what is printed next starts at the beginning of a line of its own."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    for bar in list(getattr(tqdm, "_instances", ()) or ()):
+        try:
+            bar.leave = False
+            bar.close()
+        except Exception:  # noqa: BLE001 -- a bar that cannot close must not hide the error line
+            pass
+    sys.stderr.flush()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    if _PARSER:
+        return _PARSER[0]
     p = _Parser(prog="fedlt", description="Federated learning on long-tailed, non-IID data.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for mod in _commands():
         sp = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(sp)
         sp.set_defaults(_main=mod.main)
+    _PARSER.append(p)
     return p
 
 
@@ -49,12 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         with installed():
             return int(args._main(args) or 0)
     except FedltError as e:
+        fresh_line()
         sys.stderr.write(f"fedlt: error: {e}\n")
         return e.exit_status
     except Preempted as e:
+        fresh_line()
         sys.stderr.write(e.line() + "\n")
         return e.exit_status
     except KeyboardInterrupt:
+        fresh_line()
         sys.stderr.write("fedlt: interrupted\n")
         return 130
 

@@ -3,6 +3,7 @@ command-line overrides, validated before anything is loaded or written."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .core.spec import LR_SCHEDULES, scheduled_lr
-from .decl import byte_size, check_values, coerce, rows, settings_of, setting, words
+from .decl import FLOAT32_MAX, byte_size, check, check_values, coerce, rows, settings_of, setting, show, words
 from .errors import ConfigError
 from .papers import presets as paper_presets
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS
@@ -21,14 +22,25 @@ DEFAULT_BUDGET = 2_000_000_000  # bytes of client states in memory: --client-sta
 
 def parse_milestones(value: Any) -> tuple[int, ...]:
     """``"160,240"``, ``[160, 240]`` or ``()`` -> ``(160, 240)``; a one-line ConfigError for anything else."""
-    items = value.replace("[", "").replace("]", "").split(",") if isinstance(value, str) else list(value or ())
+    bad = ConfigError(f"lr-milestones expects comma-separated round numbers (e.g. 160,240), got {show(value)}")
+    if isinstance(value, str):  # "160,240" or "[160, 240]" (a Flower run config's text of a list)
+        text = value.strip()
+        text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+        if "[" in text or "]" in text:
+            raise bad
+        items = text.split(",")
+    elif isinstance(value, (list, tuple)) or not value:
+        items = list(value or ())
+    else:
+        raise bad
     try:
-        out = tuple(int(str(v).strip()) for v in items if str(v).strip())
+        out = tuple(int(str(v).strip()) for v in items if str(v).strip() and str(v).strip().isascii())
     except ValueError:
-        raise ConfigError(f"lr-milestones expects comma-separated round numbers (e.g. 160,240), "
-                          f"got {value!r}") from None
+        raise bad from None
+    if len(out) != sum(bool(str(v).strip()) for v in items) or isinstance(value, bool):
+        raise bad
     if any(m < 1 for m in out) or list(out) != sorted(set(out)):
-        raise ConfigError(f"lr-milestones must be increasing round numbers >= 1, got {value!r}")
+        raise ConfigError(f"lr-milestones must be increasing round numbers >= 1, got {show(value)}")
     return out
 
 
@@ -60,10 +72,11 @@ class RunConfig:
                                      group=TRAIN)
     method_file: str | None = setting(None, "a Python file that registers a method of your own (its code runs; see "
                                             "docs/writing-a-method.md); --method defaults to the method it "
-                                            "defines; stored absolute", metavar="FILE.py", group=TRAIN)
+                                            "defines; stored absolute", metavar="FILE.py", group=TRAIN, path="file")
     # data
     dataset: str = setting("fashion-mnist", "dataset", registry=DATASETS, group=DATA)
-    data_dir: str | None = setting(None, "folder with the dataset files", group=DATA, result=False,
+    data_dir: str | None = setting(None, "folder with the dataset files (that folder only: a file missing there "
+                                         "is an error)", group=DATA, result=False, path="folder",
                                    none_means="$FEDLT_DATA, then the system location")
     image_size: int | None = setting(None, "input resolution of the datasets that resize their images (64 or 112 "
                                            "for small runs)",
@@ -82,7 +95,8 @@ class RunConfig:
                                           "users)", registry=PARTITIONS, group=DATA)
     partition_file: str | None = setting(None, "the clients' training indices (a run's partition.json, or client "
                                                "-> indices); replaces the long-tail subset and the partition, sets "
-                                               "--partition file", metavar="FILE.json", group=DATA)
+                                               "--partition file", metavar="FILE.json", group=DATA,
+                                         path="file")
     alpha: float = setting(0.5, "Dirichlet concentration", low=0, low_open=True, label="Dirichlet alpha",
                            group=DATA)
     shards_per_client: int = setting(2, "shards per client", low=1, limit=10**6, group=DATA)
@@ -174,7 +188,8 @@ class RunConfig:
                                       "speed-1 client trains 1,000 samples per simulated second)", low=0, high=10,
                                  group=TRAIN)
     speed_file: str | None = setting(None, "stragglers: the clients' speeds from a JSON file (a list, one per "
-                                           "client, or {client id: speed})", metavar="FILE.json", group=TRAIN)
+                                           "client, or {client id: speed})", metavar="FILE.json", group=TRAIN,
+                                     path="file")
     round_deadline: float | None = setting(None, "replies later than this many simulated seconds are lost",
                                            low=0, low_open=True, unit="seconds", metavar="SECONDS", group=TRAIN,
                                            none_means="no deadline")
@@ -188,8 +203,9 @@ class RunConfig:
                                        "fraction (< 1) or a count (> 1); the summary says 'PM over 500 of 100,000 "
                                        "clients'", low=0, low_open=True, metavar="N|F", group=OUTPUT)
     split: str = setting("fedloge", "many/medium/few split", choices=("fedloge", "fixed"), group=OUTPUT)
-    out: str = setting("runs", "folder for run directories", group=OUTPUT, result=False)
-    name: str | None = setting(None, "run directory name", group=OUTPUT, result=False,
+    out: str = setting("runs", "folder for run directories", group=OUTPUT, result=False, path="folder")
+    name: str | None = setting(None, "run directory name: one folder name inside --out", group=OUTPUT, result=False,
+                               path="name",
                                none_means="method-dataset-rhoR-partition-sS-timestamp")
     preset: str | None = setting(None, "named settings: the fmnist-lt protocol, its official code's variant, a quick "
                                        "smoke test or a paper's protocol (`fedlt list` shows their values)",
@@ -238,6 +254,8 @@ def read_toml(path: str | Path, what: str = "config") -> dict[str, Any]:
         return tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{what} file {path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} file {path} is not valid TOML: it is nested too deeply") from None
 
 
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -247,7 +265,7 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     for where in (values, overrides):
         if not isinstance(where.get("params", {}), dict):
             raise ConfigError(f"params must be a table of method parameters ([params] in TOML), got "
-                              f"{where['params']!r}")
+                              f"{show(where['params'])}")
     params = {**values.pop("params", {}), **overrides.pop("params", {})}
     params, given_args = partition_args_of(params)
     if given_args:
@@ -257,13 +275,17 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     merged: dict[str, Any] = {}
     if preset is not None:
         if not isinstance(preset, str) or preset not in PRESETS:
-            raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+            raise ConfigError(f"unknown preset {show(preset)}; choose one of: {', '.join(PRESETS)}")
         merged.update(PRESETS[preset])
     merged.update(values)
     merged.update(overrides)
     for k in merged:
         if k not in FIELDS or k == "params":
-            raise ConfigError(f"unknown setting {k!r}; see `fedlt run --help`")
+            raise ConfigError(f"unknown setting {show(k)}; see `fedlt run --help`")
+    merged = {k: coerce(SETTINGS[k], v) for k, v in merged.items()}  # types first: a path is text, ...
+    for k in ("method_file", "partition_file"):  # ... and one the files below may be read from
+        if merged.get(k):
+            check(SETTINGS[k], merged[k])
     if merged.get("method_file"):
         from .plugins import only_method, resolve_method_file
 
@@ -274,7 +296,7 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
             raise ConfigError("--partition and --partition-file exclude each other: the file is the partition")
         merged["partition"] = "file"
         merged.setdefault("clients", count_file_clients(merged["partition_file"]))
-    cfg = RunConfig(**{k: coerce(SETTINGS[k], v) for k, v in merged.items()}, params=params)
+    cfg = RunConfig(**merged, params=params)
     validate(cfg)
     return cfg
 
@@ -305,15 +327,11 @@ def partition_args_of(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 
 
 def read_json_file(path: str, what: str) -> Any:
-    """The JSON content of a file a setting names, or a one-line ConfigError ("``what`` file PATH not found")."""
-    import json
+    """The JSON content of a file a setting names, or a one-line ConfigError ("``what`` file PATH not found", not
+    readable JSON, nested too deeply)."""
+    from .jsonutil import read_json
 
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{what} file {path} not found") from None
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{what} file {path} is not readable JSON: {e}") from None
+    return read_json(path, f"{what} file {path}")
 
 
 def count_file_clients(path: str) -> int:
@@ -362,7 +380,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.partition_file:
         cfg.partition = "file"
     check_values(cfg, allow_large=cfg.allow_large)
-    method_class(cfg).make_params(cfg.params)
+    if cfg.data_dir and not Path(cfg.data_dir).is_dir():  # that folder or an error, whatever the dataset
+        raise ConfigError(f"--data-dir {show(cfg.data_dir)} is {'a file' if Path(cfg.data_dir).exists() else 'not there'}"
+                          f"; give the folder that holds the {cfg.dataset} files")
+    method_class(cfg).make_params(cfg.params, cfg.allow_large)
     loader = DATASETS.get(cfg.dataset)
     if cfg.partition == "file" and not cfg.partition_file:
         raise ConfigError("partition file needs --partition-file FILE.json")
@@ -407,6 +428,15 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"lr-milestones apply to --lr-schedule step, not {cfg.lr_schedule}")
     if cfg.lr_schedule == "step" and not cfg.lr_milestones:
         raise ConfigError("--lr-schedule step needs --lr-milestones (e.g. 160,240)")
+    if cfg.lr_schedule == "step":  # the lr after the last milestone must still be a float32
+        ms = [m for m in parse_milestones(cfg.lr_milestones) if m < cfg.rounds]
+        try:
+            peak = max(cfg.lr * cfg.lr_gamma ** k for k in range(len(ms) + 1))
+        except OverflowError:
+            peak = math.inf
+        if peak > FLOAT32_MAX:
+            raise ConfigError(f"lr-gamma {cfg.lr_gamma:g} takes the lr past a float32 ({cfg.lr:g} x "
+                              f"{cfg.lr_gamma:g}^{len(ms)}); a decay factor is below 1 (e.g. 0.1)")
     if cfg.speed_file is not None:
         if cfg.speed_sigma > 0:
             raise ConfigError("--speed-file and --speed-sigma exclude each other: the file gives the speeds")
@@ -432,6 +462,9 @@ def fraction_or_count(name: str, value: float, clients: int, what: str = "") -> 
                           f"them (> 1); use e.g. {min(value / clients, 1):.2g} or {round(value)}")
     if value > clients:
         raise ConfigError(f"{name} {value:g} clients{what} exceeds the {clients} clients")
+    if value * clients < 0.5:  # a fraction that rounds to no client (it used to become one client silently)
+        raise ConfigError(f"{name} {value:g} of {clients} clients is less than one client; use at least "
+                          f"{1 / clients:.3g} (one client), or a count: 1, 2, ...")
 
 
 def having(registry, attr: str, last: str = ", ") -> str:

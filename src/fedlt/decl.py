@@ -71,6 +71,7 @@ class Decl:
     hint: Callable[[Any], str] | None = None  # advice added to an out-of-range error ("did you mean 100?")
     label: str | None = None  # the setting's name in messages (default: its command-line spelling)
     cli: bool = True  # has a command-line option
+    path: str | None = None  # a str that names a "file", a "folder" or a run directory's "name" (one component)
     result: bool = True  # False: changes where or how a run executes, never its numbers (a resume may change it)
 
     def allowed(self) -> tuple | None:
@@ -181,6 +182,17 @@ def _kind(hint, default) -> tuple[type | None, type | None, bool]:
 
 
 # ------------------------------------------------------------------------------------------------ values
+def show(value: Any, width: int = 60) -> str:
+    """``repr(value)`` for a one-line message, shortened to about ``width`` characters (a value of a megabyte
+    is not echoed whole)."""
+    r = repr(value)
+    if len(r) <= width:
+        return r
+    size = f" ({len(value):,} characters)" if isinstance(value, str) else \
+        f" ({len(value):,} items)" if isinstance(value, (list, tuple, dict, bytes)) else ""
+    return r[: width - 3] + "..." + size
+
+
 def _kind_name(kind) -> str:
     return {bool: "bool", int: "int", float: "float", str: "str", tuple: "list", dict: "table"}.get(kind, "value")
 
@@ -212,19 +224,21 @@ def coerce(s: Setting, value: Any, prefix: str | None = None) -> Any:
         try:
             return d.parse(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{label}: cannot read {value!r}" + (f" ({d.metavar})" if d.metavar else "")) from None
+            raise ConfigError(f"{label}: cannot read {show(value)}" + (f" ({d.metavar})" if d.metavar else "")) from None
     if s.nullable and s.kind in (int, float) and isinstance(value, str) and value.strip().lower() == "none":
         return None
     if s.kind is tuple:
         items = [x.strip(" ()[]") for x in value.split(",") if x.strip(" ()[]")] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"{label} expects a list (a TOML list, or comma-separated), got {value!r}")
+            raise ConfigError(f"{label} expects a list (a TOML list, or comma-separated), got {show(value)}")
         return tuple(_scalar(s.item, x, label) for x in items)
     if s.kind is None:
         return value
+    if d.path is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{label} expects a {d.path if d.path != 'name' else 'run name'} (text), got {show(value)}")
     if s.kind is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{label} expects a table (a dict), got {value!r}")
+            raise ConfigError(f"{label} expects a table (a dict), got {show(value)}")
         return value
     return _scalar(s.kind, value, label)
 
@@ -235,7 +249,7 @@ def _scalar(kind, v, label):
             return v
         if isinstance(v, str) and v.strip().lower() in TRUE + FALSE:
             return v.strip().lower() in TRUE
-        raise ConfigError(f"{label} expects true or false, got {v!r}")
+        raise ConfigError(f"{label} expects true or false, got {show(v)}")
     if kind is str:
         if isinstance(v, str):
             return v
@@ -243,15 +257,20 @@ def _scalar(kind, v, label):
             return os.fspath(v)
         if isinstance(v, numbers.Real) and not isinstance(v, bool):
             return str(v)
-        raise ConfigError(f"{label} expects a str, got {v!r}")
-    bad = ConfigError(f"{label} expects a {_kind_name(kind)}, got {v!r}")
+        raise ConfigError(f"{label} expects a str, got {show(v)}")
+    bad = ConfigError(f"{label} expects a {_kind_name(kind)}, got {show(v)}")
     if isinstance(v, bool) or type(v).__name__ == "bool_":
         raise bad
     if isinstance(v, str):
+        if not v.isascii():  # int() reads other scripts' digits ("\u0663" is 3): numbers are written in ASCII
+            raise bad
         try:
-            return kind(v.strip())
+            x = kind(v.strip())
         except ValueError:
             raise bad from None
+        if kind is float and math.isinf(x) and v.strip().lstrip("+-").lower() not in ("inf", "infinity"):
+            raise ConfigError(f"{label} {show(v)} is out of range (a float32 holds at most {FLOAT32_MAX:.4g})")
+        return x
     if isinstance(v, numbers.Integral):  # numpy's integers too
         return kind(int(v))
     if isinstance(v, numbers.Real):
@@ -269,16 +288,16 @@ def _legacy(v: Any, default: Any, label: str) -> Any:
     if not isinstance(v, str) or isinstance(default, str):  # a TOML value: its type must fit the default's
         if isinstance(default, bool) or isinstance(v, bool):
             if type(v) is not type(default):
-                raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}")
+                raise ConfigError(f"{label} expects a {type(default).__name__}, got {show(v)}")
             return v
         if isinstance(default, (int, float)) and isinstance(v, (int, float)):
             if isinstance(default, int) and not float(v).is_integer():
-                raise ConfigError(f"{label} expects an int, got {v!r}")
+                raise ConfigError(f"{label} expects an int, got {show(v)}")
             return type(default)(v)
         if isinstance(default, (tuple, list)) and isinstance(v, (tuple, list)):
             return type(default)(v)
         if type(v) is not type(default):
-            raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}")
+            raise ConfigError(f"{label} expects a {type(default).__name__}, got {show(v)}")
         return v
     try:
         if isinstance(default, bool):
@@ -294,7 +313,7 @@ def _legacy(v: Any, default: Any, label: str) -> Any:
         if isinstance(default, (tuple, list)):
             return type(default)(type(default[0])(x) for x in v.split(",")) if default else tuple(v.split(","))
     except ValueError:
-        raise ConfigError(f"{label} expects a {type(default).__name__}, got {v!r}") from None
+        raise ConfigError(f"{label} expects a {type(default).__name__}, got {show(v)}") from None
     return v
 
 
@@ -347,20 +366,22 @@ def _check_one(s: Setting, v: Any, label: str, allow_large: bool) -> None:
             raise ConfigError(f"{label} {v:g} is out of range (a float32 holds at most {FLOAT32_MAX:.4g})")
     if not s.declared:
         return
+    if d.path is not None and isinstance(v, str):
+        _check_path(d.path, v, label)
     allowed = d.allowed()
     if d.numbers is not None and isinstance(v, str):  # a word of ``choices``, or a number in range
         if v in (allowed or ()):
             return
         try:
-            n = d.numbers(v)
+            n = d.numbers(v) if v.isascii() else None
         except ValueError:
             n = None
         if n is None or not _in_range(d, n):
             what = f"a number{' of ' + d.unit if d.unit else ''} {range_text(d)}".rstrip()
-            raise ConfigError(f"{label} must be {words([*(allowed or ()), what])}, got {v!r}")
+            raise ConfigError(f"{label} must be {words([*(allowed or ()), what])}, got {show(v)}")
         return
     if allowed is not None and v not in allowed:
-        raise ConfigError(f"unknown {label} {v!r}; choose {words(allowed)}")
+        raise ConfigError(f"unknown {label} {show(v)}; choose {words(allowed)}")
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         if not _in_range(d, v):
             hint = d.hint(v) if d.hint else ""
@@ -372,6 +393,30 @@ def _check_one(s: Setting, v: Any, label: str, allow_large: bool) -> None:
             raise ConfigError(f"{label} {v} is out of range (at most {INT64[1]:,})")
     if d.registry is not None and isinstance(v, str):
         d.registry.get(v)  # an unknown name: its one-line error, with "did you mean"
+
+
+NAME_MAX = 200  # bytes of a run name: one path component, with room for what is written beside it (.NAME.lock)
+PATH_MAX = 4096
+
+
+def _check_path(kind: str, v: str, label: str) -> None:
+    """A path setting's value: no NUL byte nor control character, not too long; a run ``name`` is one path
+    component (no separator, not ``.`` or ``..``), so that the run stays inside its ``--out``."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in v):
+        raise ConfigError(f"{label} {show(v)} contains a control character (a NUL byte, a newline, ...); "
+                          f"remove it")
+    size = len(v.encode("utf-8", "surrogatepass"))
+    if kind != "name":
+        if size > PATH_MAX:
+            raise ConfigError(f"{label} is {size:,} bytes long; a path holds at most {PATH_MAX:,}")
+        return
+    if v in ("", ".", ".."):
+        raise ConfigError(f"{label} {show(v)} names no run directory of its own; choose a name such as my-run")
+    if "/" in v or "\\" in v:
+        raise ConfigError(f"{label} {show(v)} is a path; a run name is one folder name, without / or \\ (put the "
+                          f"folder it goes in into --out)")
+    if size > NAME_MAX:
+        raise ConfigError(f"{label} is {size:,} bytes long; a run name holds at most {NAME_MAX}")
 
 
 def check_values(obj: Any, prefix: str | None = None, allow_large: bool = False, names=None) -> None:
@@ -397,7 +442,7 @@ def from_values(cls: type, values: dict[str, Any], prefix: str | None = None, ow
         key = k.replace("-", "_")
         if key not in sets:
             known = ", ".join(sets) or "none"
-            raise ConfigError(f"{owner} has no {what} {k!r}; its {what}s: {known}")
+            raise ConfigError(f"{owner} has no {what} {show(k)}; its {what}s: {known}")
         s = sets[key]
         kw[key] = None if (s.declared and was_none(s, v)) else coerce(s, v, prefix)
     obj = cls(**kw)

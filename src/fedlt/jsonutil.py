@@ -40,3 +40,51 @@ def dumps(obj, indent: int = 1, _depth: int = 0) -> str:
                 return "[\n" + inner + body.replace("], [", f"],\n{inner}[") + f"\n{pad}]"
         return "[\n" + ",\n".join(inner + dumps(v, indent, _depth + 1) for v in obj) + f"\n{pad}]"
     return json.dumps(obj, default=jsonable)
+
+
+def read_json(path, what: str = "", hint: str = "", error=None):
+    """The JSON document in the file ``path``, or a one-line error (``error``, default ConfigError) saying why it
+    cannot be read -- missing, not text, not JSON, nested too deeply -- naming ``what`` (default: the path), with
+    ``hint`` (how to fix it) after a semicolon."""
+    from pathlib import Path
+
+    from .errors import ConfigError
+
+    error = error or ConfigError
+    name = what or str(path)
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise error(f"{name} not found" + (f"; {hint}" if hint else "")) from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = "it is nested too deeply" if isinstance(e, RecursionError) else \
+            (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise error(f"{name} is not readable JSON ({why})" + (f"; {hint}" if hint else "")) from None
+
+
+def read_json_lines(path, hint: str = "") -> list:
+    """The records of a JSON-lines file (``metrics.jsonl``); a last line cut short (a process killed while it
+    wrote) is left out, any other unreadable line is a one-line ConfigError naming the file and line."""
+    from pathlib import Path
+
+    from .errors import ConfigError
+
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} cannot be read ({e.strerror if isinstance(e, OSError) else e})"
+                          + (f"; {hint}" if hint else "")) from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            if i == len(lines):
+                break
+            raise ConfigError(f"{path} line {i} is not a JSON record" + (f"; {hint}" if hint else "")) from None
+        if not isinstance(rec, dict):
+            raise ConfigError(f"{path} line {i} is not a JSON object" + (f"; {hint}" if hint else ""))
+        out.append(rec)
+    return out

@@ -21,6 +21,7 @@ import pkgutil
 import sys
 from typing import Any, Callable
 
+from .decl import show
 from .errors import ConfigError
 
 
@@ -217,7 +218,7 @@ class Registry:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             more = "".join(f", or {p}:NAME ({what})" for p, (_, what) in self._prefixes.items())
             raise ConfigError(
-                f"unknown {self.kind} {name!r}{hint}; choose one of: {', '.join(known)}{more} "
+                f"unknown {self.kind} {show(name)}{hint}; choose one of: {', '.join(known)}{more} "
                 f"(`fedlt list` shows them all)"
             )
         return self._items[name]

@@ -50,7 +50,7 @@ def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
                    rounds=cfg.rounds, num_clients=cfg.clients, device=cfg.device, precision=cfg.precision,
                    channels_last=cfg.channels_last, cache_dir=os.environ.get("FEDLT_CACHE"),
                    lr_schedule=cfg.lr_schedule, lr_milestones=parse_milestones(cfg.lr_milestones),
-                   lr_gamma=cfg.lr_gamma,
+                   lr_gamma=cfg.lr_gamma, allow_large=cfg.allow_large,
                    data=dict(dataset=cfg.dataset, data_dir=cfg.data_dir, imbalance_ratio=cfg.imbalance_ratio,
                              lt_profile=lt_profile_of(cfg, fed), tail_classes=cfg.tail_classes, n_max=cfg.n_max,
                              seed=cfg.seed, dataset_kw=cfg.dataset_kw(), input_mean=list(fed.prep.mean),
@@ -87,7 +87,7 @@ def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
     fed = fed or federation_for(cfg)
     spec = make_spec(cfg, fed)
     cls = method_class(cfg)
-    method = cls(spec, cls.make_params(cfg.params))
+    method = cls(spec, cls.make_params(cfg.params, cfg.allow_large))
     if getattr(method, "needs_pool", False):  # the centralized reference trains on all clients' data pooled
         method.pool = fed.pooled()
     return Prepared(cfg, fed, method, spec)
@@ -218,6 +218,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
         stale.unlink(missing_ok=True)
     if labels:
         config["labels"] = labels
+    config["data_source"] = fed.dataset.source  # the folder the samples were read from (printed below)
     notes: list[str] = []
     ck = load_checkpoint(out, config, notes) if resume else None
     try:
@@ -229,6 +230,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     keep_states = getattr(driver.transport, "keep_states_in", None)
     if keep_states is not None:  # spills and incremental checkpoints of the client states go here
         keep_states(out / CLIENT_STATES, fresh=ck is None)
+    echo(f"data: {fed.dataset.name} from {fed.dataset.source or 'its loader'}")
     if intro:
         echo(intro)
     elapsed = 0.0
@@ -239,8 +241,11 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     for note in notes:
         echo(f"note: {note}")
     driver.echo = echo
-    tracked = Trackers.start(active(cfg.tracker), out, cfg.name or out.name, Path(cfg.out), config,
-                             driver.history, resumed=ck is not None)
+    # a sweep's run (labels) lives in <sweep>/<setting>/<method>/seed<S>: tracked as setting/method/seed<S> in the
+    # sweep's store and group; another run as its name in its --out
+    name, root = (f"{labels['setting']}/{labels['method']}/seed{labels['seed']}", out.parents[2]) if labels else \
+        (cfg.name or out.name, Path(cfg.out))
+    tracked = Trackers.start(active(cfg.tracker), out, name, root, config, driver.history, resumed=ck is not None)
     driver.log = log = MetricsLog(out, driver.history, tracked)
     C = fed.num_classes
     heads: dict = {}

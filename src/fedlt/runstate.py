@@ -42,7 +42,7 @@ METRICS = "metrics.jsonl"
 # what may differ between a run and its resumption (where and how it runs, not what it computes): the run
 # settings declared with result=False (fedlt.config.RunConfig), and the engine's own records
 NOT_COMPARED = frozenset({name for name, s in SETTINGS.items() if not s.decl.result} |
-                         {"labels", "engine", "flower"})
+                         {"labels", "engine", "flower", "data_source"})
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
@@ -94,6 +94,19 @@ def checkpointed_round(run_dir: Path) -> int | None:
     return None
 
 
+def check_resumable(run_dir: Path) -> None:
+    """``--resume`` needs a run to resume: a one-line ConfigError for a run directory that does not exist (a
+    mistyped ``--name`` would silently start a new run) or whose run has finished. A directory without a
+    checkpoint (stopped before its first) is resumable: the run starts again from round 0."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"--resume: there is no run {run_dir} to resume (check --name and --out); leave --resume "
+                          f"out to start it")
+    if (run_dir / "summary.json").is_file():
+        raise ConfigError(f"--resume: run {run_dir} has finished (its summary.json is there); nothing to resume: "
+                          f"delete it to run it again, or choose another --name")
+
+
 def remove_checkpoints(run_dir: Path) -> None:
     for n in (NEXT, CHECKPOINT, PREVIOUS):
         (Path(run_dir) / n).unlink(missing_ok=True)
@@ -118,12 +131,17 @@ def load_checkpoint(run_dir: Path, config: dict, notes: list[str] | None = None)
     for path in found:
         try:
             ck = load_tree(path, "checkpoint", hint, notes)
+            lacks = sections_missing(ck)
+            if lacks:
+                ck = None
+                raise ConfigError(f"checkpoint {path} lacks {', '.join(lacks)} (written by another program?)")
             break
         except ConfigError as e:
             errors.append(str(e))
     if ck is None:
-        raise ConfigError(errors[0] if len(errors) == 1 else
-                          f"no checkpoint in {run_dir} can be read ({errors[0]}); {hint}")
+        first = errors[0].replace(f"; {hint}", "")
+        raise ConfigError(f"{first}; {hint}" if len(errors) == 1 else
+                          f"no checkpoint in {run_dir} can be read ({first}); {hint}")
     if errors:
         notes.append(f"{errors[0]}; resuming from {path.name} (round {ck['sim']['round']}) instead")
     diff = config_differences(ck.get("config", {}), config)
@@ -132,6 +150,24 @@ def load_checkpoint(run_dir: Path, config: dict, notes: list[str] | None = None)
                           f"delete {run_dir} or write to another --out")
     _fit_cuda_rng(ck["sim"]["rng"], notes)
     return ck
+
+
+SECTIONS = {"": ("sim", "elapsed"), "sim": ("round", "state", "client_states", "history", "rng")}
+
+
+def sections_missing(ck) -> list[str]:
+    """The sections a resume reads (Driver.load_state_dict, the run's elapsed time) that the checkpoint lacks."""
+    if not isinstance(ck, dict):
+        return ["everything (it holds no table)"]
+    lacks = [k for k in SECTIONS[""] if k not in ck]
+    sim = ck.get("sim")
+    if isinstance(sim, dict):
+        lacks += [f"sim.{k}" for k in SECTIONS["sim"] if k not in sim]
+        if "round" in sim and (isinstance(sim["round"], bool) or not isinstance(sim["round"], int)):
+            lacks.append("sim.round as a round number")
+    elif "sim" in ck:
+        lacks.append("sim as a table")
+    return lacks
 
 
 def _fit_cuda_rng(rng: dict, notes: list[str]) -> None:

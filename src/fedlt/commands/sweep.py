@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="the sweep directory (default: the file's `out`, else runs/<file name>)")
     add_sweep_arguments(p)
     add_arguments(p, RunConfig, ["threads"], typed=True)
+    g = p.add_argument_group("settings of every run (they win over the file's; a finished run is still reused)")
+    add_arguments(g, RunConfig, ["device", "data_dir"], typed=True)
     p.add_argument("--dry-run", action="store_true", help="list the runs and their status; run nothing")
 
 
@@ -67,4 +69,6 @@ def execute(sweep, args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     from ..experiments.sweep import load_sweep
 
-    return execute(load_sweep(args.file, args.out), args)
+    sweep = load_sweep(args.file, args.out)
+    sweep.over.update({k: getattr(args, k) for k in ("device", "data_dir") if getattr(args, k) is not None})
+    return execute(sweep, args)

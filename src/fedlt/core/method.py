@@ -110,16 +110,17 @@ class Method:
         self.spec = spec
         self.p = params if params is not None else self.Params()
         if dataclasses.is_dataclass(self.p):  # every parameter against its declaration, however Params was made
-            check_values(self.p, prefix=self.name)
+            check_values(self.p, prefix=self.name, allow_large=getattr(spec, "allow_large", False))
         self._net: Model | None = None  # client-side working model, reused across clients
 
     # ---------------------------------------------------------------- hyper-parameters
     @classmethod
-    def make_params(cls, overrides: dict[str, Any] | None = None):
+    def make_params(cls, overrides: dict[str, Any] | None = None, allow_large: bool = False):
         """Params from defaults plus overrides (TOML values, or text from the command line), each coerced to its
-        declared type and checked against its declaration (:mod:`fedlt.decl`): one-line ConfigErrors."""
+        declared type and checked against its declaration (:mod:`fedlt.decl`): one-line ConfigErrors.
+        ``allow_large`` (the run's ``--allow-large``) lets values past a declared limit through."""
         return from_values(cls.Params, dict(overrides or {}), prefix=cls.name, owner=f"method {cls.name}",
-                           what="parameter")
+                           what="parameter", allow_large=allow_large)
 
     # ---------------------------------------------------------------- models
     # fp16 needs a gradient scaler around every backward and optimiser step: the shared loop and the step

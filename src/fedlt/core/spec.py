@@ -39,6 +39,7 @@ class RunSpec:
     lr_schedule: str = "constant"  # constant | step | cosine (scheduled_lr)
     lr_milestones: tuple[int, ...] = ()
     lr_gamma: float = 0.1
+    allow_large: bool = False  # --allow-large: method parameters past their limits were given on purpose
     # The data settings (dataset, data_dir, imbalance_ratio, lt_profile, tail_classes, n_max, seed), plain
     # values like the rest: a server that holds data of its own (Ratio Loss's auxiliary balanced set) can
     # rebuild which training samples the clients hold, and draw its own from the others; and input_mean /

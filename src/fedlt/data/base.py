@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import DataError
+
 
 @dataclass
 class Dataset:
@@ -36,6 +38,7 @@ class Dataset:
     group_names: list[str] = field(default_factory=list)
     input_shape: tuple[int, int, int] | None = None  # model input, when stored samples are larger (crops)
     lt_n_max: int | None = None  # the head class's size of the long-tail profile when --n-max is not given
+    source: str = ""  # where the samples came from: the folder the files were read from (runs print and record it)
 
     @property
     def in_shape(self) -> tuple[int, int, int]:
@@ -48,13 +51,49 @@ def default_data_home() -> Path:
 
 
 def candidate_dirs(data_dir: str | None, name: str, system: list[str]) -> list[Path]:
-    """The folders a dataset's files are looked for in, in order: ``data_dir``, ``$FEDLT_DATA`` and
-    :func:`default_data_home`, each also with a sub-folder ``name``, then the ``system`` locations."""
+    """The folders a dataset's files are looked for in, in order. ``data_dir`` given (``--data-dir``): that
+    folder and its sub-folder ``name``, nothing else (never a silent fall-back to another copy); it must be a
+    folder. Else ``$FEDLT_DATA`` and :func:`default_data_home`, each also with a sub-folder ``name``, then the
+    ``system`` locations."""
+    if data_dir:
+        d = Path(data_dir)
+        if not d.is_dir():
+            raise DataError(f"--data-dir {show(data_dir)} is {'a file' if d.exists() else 'not there'}; give the "
+                            f"folder that holds the {name} files")
+        return [d, d / name]
     dirs: list[Path] = []
-    for base in [data_dir, os.environ.get("FEDLT_DATA"), default_data_home()]:
+    for base in [os.environ.get("FEDLT_DATA"), default_data_home()]:
         if base:
             dirs += [Path(base), Path(base) / name]
     return dirs + [Path(p) for p in system]
+
+
+def first_complete(dirs: list[Path], files: list[list[str]], name: str, hint: str) -> tuple[Path, list[Path]]:
+    """The first of ``dirs`` that holds every file of ``files`` (each a list of accepted names, e.g. with and
+    without ``.gz``), and the paths of those files: all from one folder, never mixed. None holds them all: a
+    one-line DataError naming the files missing from the folder that holds most of them (``hint``: how to get
+    them)."""
+    def have(d: Path) -> list[Path | None]:
+        return [next((d / n for n in names if (d / n).is_file()), None) for names in files]
+
+    found = [(d, have(d)) for d in dirs]
+    for d, paths in found:
+        if all(paths):
+            return d, paths  # type: ignore[return-value]
+    best = max(found, key=lambda f: sum(p is not None for p in f[1]), default=None)
+    if best is None or not any(best[1]):
+        where = ", ".join(str(d) for d in dirs) or "no data folder"
+        raise DataError(f"{name}: {files[0][0]} not found in {where}; {hint}")
+    missing = [names[0] for names, p in zip(files, best[1]) if p is None]
+    raise DataError(f"{name}: {best[0]} lacks {', '.join(missing)} (it holds the other "
+                    f"{len(files) - len(missing)} of the {len(files)} files); {hint}")
+
+
+def show(value, width: int = 60) -> str:
+    """``repr(value)``, shortened to about ``width`` characters for a one-line message."""
+    from ..decl import show as _show
+
+    return _show(value, width)
 
 
 class NumpyUnpickler(pickle.Unpickler):

@@ -23,15 +23,7 @@ import torch
 
 from ..errors import ConfigError, DataError
 from ..registry import DATASETS
-from .base import Dataset, NumpyUnpickler, candidate_dirs
-
-
-def _find(dirs: list[Path], names: list[str]) -> Path | None:
-    for d in dirs:
-        for n in names:
-            if (d / n).is_file():
-                return d / n
-    return None
+from .base import Dataset, NumpyUnpickler, candidate_dirs, first_complete
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -56,15 +48,13 @@ def _check_labels(y: np.ndarray, num_classes: int, where: str) -> None:
 
 
 def _load_idx_dataset(name, data_dir, system, install_hint, mean, std, num_classes=10) -> Dataset:
-    dirs = candidate_dirs(data_dir, name, system)
-    parts, paths = {}, {}
-    for key, stem in [("xtr", "train-images-idx3-ubyte"), ("ytr", "train-labels-idx1-ubyte"),
-                      ("xte", "t10k-images-idx3-ubyte"), ("yte", "t10k-labels-idx1-ubyte")]:
-        p = _find(dirs, [stem + ".gz", stem])
-        if p is None:
-            where = ", ".join(str(d) for d in dirs)
-            raise DataError(f"{name}: file {stem}.gz not found in {where}; {install_hint}")
-        parts[key], paths[key] = _read_idx(p), p
+    stems = [("xtr", "train-images-idx3-ubyte"), ("ytr", "train-labels-idx1-ubyte"),
+             ("xte", "t10k-images-idx3-ubyte"), ("yte", "t10k-labels-idx1-ubyte")]
+    hint = f"put the four idx files (or their .gz) there" if data_dir else install_hint
+    root, found = first_complete(candidate_dirs(data_dir, name, system), [[s + ".gz", s] for _, s in stems], name,
+                                 hint)
+    paths = {key: p for (key, _), p in zip(stems, found)}
+    parts = {key: _read_idx(p) for key, p in paths.items()}
     for key, ndim in (("xtr", 3), ("ytr", 1), ("xte", 3), ("yte", 1)):
         if parts[key].ndim != ndim:
             raise DataError(f"{name}: {paths[key]} holds a {parts[key].ndim}-D array where {ndim}-D "
@@ -82,6 +72,7 @@ def _load_idx_dataset(name, data_dir, system, install_hint, mean, std, num_class
         num_classes=num_classes,
         mean=mean,
         std=std,
+        source=str(root),
     )
 
 
@@ -121,12 +112,9 @@ def _load_cifar(name: str, data_dir: str | None, folder: str, train_files, test_
     dirs = []
     for d in candidate_dirs(data_dir, name, []):
         dirs += [d / folder, d]
-    base = next((d for d in dirs if all((d / f).is_file() for f in train_files + test_files)), None)
-    if base is None:
-        raise DataError(
-            f"{name}: python-version batch files ({', '.join(train_files + test_files)}) not found under "
-            f"{', '.join(str(d) for d in dirs) or 'no data dir'}; pass --data-dir to the folder that holds {folder}/"
-        )
+    base, _ = first_complete(dirs, [[f] for f in train_files + test_files], name,
+                             f"pass --data-dir to the folder that holds {folder}/ (python-version batch files), "
+                             f"or run `fedlt data fetch {name}`")
 
     def load(files):
         xs, ys = [], []
@@ -152,7 +140,7 @@ def _load_cifar(name: str, data_dir: str | None, folder: str, train_files, test_
     return Dataset(
         name=name, x_train=xtr, y_train=ytr, x_test=xte, y_test=yte, num_classes=num_classes,
         mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), augment="crop-flip",
-        default_model="resnet8",
+        default_model="resnet8", source=str(base),
     )
 
 
@@ -187,7 +175,7 @@ def load_digits(data_dir: str | None = None, seed: int = 0, test_fraction: float
     return Dataset(
         name="digits", x_train=torch.from_numpy(x[mask]), y_train=torch.from_numpy(y[mask]),
         x_test=torch.from_numpy(x[test_idx]), y_test=torch.from_numpy(y[test_idx]), num_classes=10,
-        mean=(0.30,), std=(0.38,), default_model="smallcnn",
+        mean=(0.30,), std=(0.38,), default_model="smallcnn", source="scikit-learn's bundled copy",
     )
 
 
@@ -211,7 +199,7 @@ def load_synthetic(data_dir: str | None = None, num_classes: int = 10, n_per_cla
     xtr, ytr = draw(n_per_class)
     xte, yte = draw(n_test_per_class)
     return Dataset(name="synthetic", x_train=xtr, y_train=ytr, x_test=xte, y_test=yte,
-                   num_classes=num_classes, default_model="mlp")
+                   num_classes=num_classes, default_model="mlp", source="generated (a Gaussian mixture)")
 
 
 load_synthetic.per_class = True  # --synthetic-per-class sets its n_per_class

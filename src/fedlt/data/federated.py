@@ -374,12 +374,19 @@ def own_test_splits(parts: Ragged, fraction: float, seed: int) -> tuple[Ragged, 
     return Ragged.of_sizes(parts.flat[~test], sizes - n_test), Ragged.of_sizes(parts.flat[test], n_test)
 
 
-def check_clients(parts, clients: int) -> None:
-    """Every client holds at least one training sample (else a one-line ConfigError saying what to change)."""
+def check_clients(parts, clients: int, partition: str | None = None) -> None:
+    """Every client holds at least one training sample (else a one-line ConfigError saying what to change: fewer
+    clients, or the settings that ``partition`` reads, as it declares them)."""
     empty = int((parts.sizes() == 0).sum()) if isinstance(parts, Ragged) else sum(len(p) == 0 for p in parts)
     if empty:
-        raise ConfigError(f"{empty} of {clients} clients got no training sample; use fewer clients, a larger "
-                          f"--alpha, or --min-client-size 1")
+        from ..registry import PARTITIONS
+
+        read = sorted(set(getattr(PARTITIONS.get(partition), "settings", {}).values())) if partition else []
+        how = {"alpha": "a larger --alpha", "min_client_size": "--min-client-size 1"}
+        advice = [how.get(s, "--" + s.replace("_", "-") + " (another value)") for s in read if s != "balance"]
+        raise ConfigError(f"{empty} of {clients} clients got no training sample"
+                          + (f" from the {partition} partition" if partition else "") + "; use fewer clients"
+                          + "".join(f", or {a}" for a in advice))
 
 
 def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None, imbalance_ratio: float = 100.0,
@@ -410,7 +417,7 @@ def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None
     lt_profile = lt_profile or default_lt_profile(dataset, partition_name, partition_file)
     ylt = y[keep]
     counts = parts.count_matrix(ylt, ds.num_classes)
-    check_clients(parts, clients)
+    check_clients(parts, clients, partition_name)
     prep = Prep(ds.mean, ds.std, ds.augment, device)
     test_y = ds.y_test.numpy()
     row_bytes = lambda t: t[0].numel() * t.element_size() + 8 if len(t) else 0  # noqa: E731  (sample + label)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..registry import DATASETS
-from .base import Dataset, candidate_dirs
+from .base import Dataset, candidate_dirs, first_complete
 from .store import Cache, key_of, require_pillow
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -153,17 +153,14 @@ def load_imagenet_lt(data_dir: str | None = None, image_size: int = 224, **_) ->
     Training split: 115,846 images in the list's line order (the partition-file index space); test: the
     balanced 50,000-image test list (``ImageNet_LT_val.txt`` is not used). Classes: the largest label + 1.
     """
-    dirs = candidate_dirs(data_dir, "imagenet-lt", [])
-    root = next((d for d in dirs if (d / LT_LISTS["train"]).is_file() and (d / LT_LISTS["test"]).is_file()), None)
-    if root is None:
-        raise DataError(f"imagenet-lt: {LT_LISTS['train']} and {LT_LISTS['test']} not found in "
-                        f"{', '.join(map(str, dirs)) or 'no data dir'}; pass --data-dir to the folder with the lists")
+    root, _ = first_complete(candidate_dirs(data_dir, "imagenet-lt", []), [[f] for f in LT_LISTS.values()],
+                             "imagenet-lt", "pass --data-dir to the folder with the lists")
     splits = {s: read_split_list(root / f, root, 1000) for s, f in LT_LISTS.items()}
     num_classes = int(max(int(v[2].max()) for v in splits.values())) + 1
     side = stored_side(image_size)
     cache = build_image_cache("imagenet-lt", splits, side, [str(root.resolve())] +
                               [_sha1(root / f) for f in LT_LISTS.values()])
-    return _image_dataset("imagenet-lt", cache, num_classes, image_size)
+    return _image_dataset("imagenet-lt", cache, num_classes, image_size, source=str(root))
 
 
 load_imagenet_lt.native_lt = True
@@ -232,7 +229,8 @@ def load_inat_user(data_dir: str | None = None, image_size: int = 224, **_) -> D
     num_classes = int(max(int(v[2].max()) for v in splits.values())) + 1
     cache = build_image_cache("inat-user", splits, stored_side(image_size),
                               [str(root.resolve()), _sha1(trains[0]), _sha1(root / "test.csv")])
-    return _image_dataset("inat-user", cache, num_classes, image_size, train_groups=groups, group_names=list(users))
+    return _image_dataset("inat-user", cache, num_classes, image_size, train_groups=groups, group_names=list(users),
+                          source=str(root))
 
 
 load_inat_user.native_lt = True

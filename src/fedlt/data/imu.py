@@ -21,7 +21,7 @@ import torch
 
 from ..errors import DataError
 from ..registry import DATASETS
-from .base import Dataset, NumpyUnpickler, candidate_dirs
+from .base import Dataset, NumpyUnpickler, candidate_dirs, first_complete
 
 DATA_DIM, FRAMES, NUM_CLASSES = 9, 200, 8
 FILES = {"train": "aiot_train.npy", "test": "aiot_test.npy"}
@@ -72,12 +72,8 @@ def load_imu(data_dir: str | None = None, **_) -> Dataset:
     Training split in file order; long-tailed as collected (rho 24.8); ``--partition natural``: one client per
     person. Default model: the MLP.
     """
-    dirs = candidate_dirs(data_dir, "imu", [])
-    root = next((d for d in dirs if all((d / f).is_file() for f in FILES.values())), None)
-    if root is None:
-        raise DataError(f"imu: {' and '.join(FILES.values())} not found in "
-                        f"{', '.join(map(str, dirs)) or 'no data dir'}; "
-                        f"download them from the link in BalanceFL's dataset/IMU/ and pass --data-dir")
+    root, _ = first_complete(candidate_dirs(data_dir, "imu", []), [[f] for f in FILES.values()], "imu",
+                             "download them from the link in BalanceFL's dataset/IMU/ and pass --data-dir")
     xtr, ytr, groups = _split(root / FILES["train"], need_person=True)
     xte, yte, _ = _split(root / FILES["test"], need_person=False)
     if xtr.shape[2:] != xte.shape[2:]:
@@ -85,7 +81,7 @@ def load_imu(data_dir: str | None = None, **_) -> Dataset:
     users = np.unique(groups)
     return Dataset(name="imu", x_train=xtr, y_train=ytr, x_test=xte, y_test=yte, num_classes=NUM_CLASSES,
                    default_model="mlp", train_groups=np.searchsorted(users, groups),
-                   group_names=[str(u) for u in users])
+                   group_names=[str(u) for u in users], source=str(root))
 
 
 load_imu.native_lt = True

@@ -101,7 +101,7 @@ def load_femnist(data_dir: str | None = None, **_) -> Dataset:
                    x_test=cache.array("x_test"), y_test=cache.array("y_test"), num_classes=NUM_CLASSES,
                    mean=(meta["mean"],), std=(meta["std"],), default_model="cnn-mcmahan",
                    train_groups=cache.array("g_train").numpy(), test_groups=cache.array("g_test").numpy(),
-                   group_names=names)
+                   group_names=names, source=str(root))
 
 
 load_femnist.native_lt = True

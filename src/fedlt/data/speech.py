@@ -134,4 +134,4 @@ def load_speech_commands(data_dir: str | None = None, **_) -> Dataset:
             raise
     return Dataset(name="speech-commands", x_train=cache.array("x_train"), y_train=cache.array("y_train"),
                    x_test=cache.array("x_test"), y_test=cache.array("y_test"), num_classes=len(CLASSES),
-                   default_model="resnet8", class_names=list(CLASSES), lt_n_max=3000)
+                   default_model="resnet8", class_names=list(CLASSES), lt_n_max=3000, source=str(root))

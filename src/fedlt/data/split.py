@@ -15,12 +15,11 @@ Every index must be in ``0 .. num_train - 1`` and appear once in the whole file.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from ..decl import show
 from ..errors import ConfigError, DataError
 from .longtail import longtail_indices
 from .partition import partition
@@ -76,13 +75,9 @@ def check_lt_settings(dataset: str, profile: str, partition_name: str, partition
 
 def read_partition_file(path: str, num_train: int, dataset: str | None = None) -> list[np.ndarray]:
     """The clients' index arrays of a partition file, checked against the training split's size."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"partition file {path} not found")
-    try:
-        doc = json.loads(p.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"partition file {path} is not valid JSON: {e}") from None
+    from ..jsonutil import read_json
+
+    doc = read_json(path, f"partition file {path}", error=DataError)
     if isinstance(doc, dict) and "clients" in doc:
         if doc.get("dataset") not in (None, dataset):
             raise DataError(f"partition file {path} is for dataset {doc['dataset']!r}, not {dataset!r}")
@@ -105,6 +100,10 @@ def read_partition_file(path: str, num_train: int, dataset: str | None = None) -
     for k, (key, idx) in enumerate(zip(keys, lists)):
         if not isinstance(idx, list) or not idx or not all(isinstance(i, int) and not isinstance(i, bool) for i in idx):
             raise DataError(f"partition file {path}: client {key} must be a non-empty list of integer indices")
+        big = next((i for i in idx if not 0 <= i < num_train), None)
+        if big is not None:  # checked before numpy sees it: an int past int64 would not even convert
+            raise DataError(f"partition file {path}: client {key} has index {show(big)} outside the training split "
+                            f"0..{num_train - 1}")
         a = np.asarray(idx, dtype=np.int64)
         bad = a[(a < 0) | (a >= num_train)]
         if len(bad):

@@ -378,23 +378,25 @@ class Driver:
         cfg = self.cfg
         bar = _progress(cfg.rounds, self.round, cfg.progress)
         last = {}
-        while self.round < cfg.rounds:
-            rec = self.train_round()
-            for hook in self.after_train:
-                hook(self, rec)
-            if is_eval_round(self.round, cfg.eval_every, cfg.rounds):
-                rec["eval"] = self.evaluate(f"eval {self.round}")
-                last = headline(rec["eval"])
-            self.history.append(rec)
-            self.log(rec)
+        try:
+            while self.round < cfg.rounds:
+                rec = self.train_round()
+                for hook in self.after_train:
+                    hook(self, rec)
+                if is_eval_round(self.round, cfg.eval_every, cfg.rounds):
+                    rec["eval"] = self.evaluate(f"eval {self.round}")
+                    last = headline(rec["eval"])
+                self.history.append(rec)
+                self.log(rec)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix({k: f"{v:.3f}" for k, v in last.items() if v is not None} |
+                                    {"loss": f"{rec['train_loss'] or 0:.3f}"})
+                for hook in self.after_round:
+                    hook(self)
+        finally:  # also when the run stops (diverged, a signal): the bar's line is cleared for what is said next
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix({k: f"{v:.3f}" for k, v in last.items() if v is not None} |
-                                {"loss": f"{rec['train_loss'] or 0:.3f}"})
-            for hook in self.after_round:
-                hook(self)
-        if bar is not None:
-            bar.close()
+                bar.close()
         for i, phase in enumerate(self.method.phases):
             self.log(self.run_phase(phase, i))
         if not self.method.phases and self.history and "eval" in self.history[-1]:

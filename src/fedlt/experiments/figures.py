@@ -16,7 +16,6 @@ of the (at most 20) clients whose heads the run kept.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import matplotlib
@@ -27,6 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ..errors import ConfigError  # noqa: E402
+from ..jsonutil import read_json, read_json_lines  # noqa: E402
 from ..runstate import head_like, load_final_state  # noqa: E402
 
 
@@ -61,8 +61,7 @@ def _evals(run) -> tuple[list[int], list[float | None], list[float | None], bool
     """Rounds, GM and PM of every evaluation (first global / personal mode), whether phases ran, the modes."""
     rounds, gm, pm, phases, modes = [], [], [], False, [None, None]
     path = run.dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        rec = json.loads(line)
+    for rec in read_json_lines(path, "re-run that run or remove its directory") if path.is_file() else []:
         if "phase" in rec:
             phases = True
         if "eval" not in rec:
@@ -138,7 +137,7 @@ def _partition(run) -> dict:
 
 @functools.lru_cache(maxsize=4)
 def _read_partition(path: str, mtime_ns: int, size: int) -> dict:
-    return json.loads(Path(path).read_text())
+    return read_json(path, hint="re-run that run or remove its directory")
 
 
 def shown_clients(K: int, seed: int, n: int = HEATMAP_CLIENTS) -> np.ndarray:

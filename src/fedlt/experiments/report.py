@@ -30,6 +30,7 @@ import numpy as np
 
 from ..config import SETTINGS
 from ..errors import ConfigError
+from ..jsonutil import read_json
 
 METRICS = ("GM", "many", "medium", "few", "PM")
 MAIN = ("GM", "PM")
@@ -137,11 +138,7 @@ def collect(root: str | Path) -> tuple[list[Run], list[str], list[str]]:
 
 def _read_json(path: Path) -> dict:
     """A JSON object from a run directory, or a one-line ConfigError naming the file."""
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ConfigError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                          f"re-run that run or remove its directory") from None
+    obj = read_json(path, hint="re-run that run or remove its directory")
     if not isinstance(obj, dict):
         raise ConfigError(f"{path} holds a JSON {type(obj).__name__}, not an object; re-run that run or remove "
                           f"its directory")
@@ -342,7 +339,12 @@ def write_report(root: str | Path, out: str | Path | None = None, which: str = "
     root = Path(root)
     runs, methods, settings = collect(root)
     out = Path(out) if out else root / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write the report to {out}: "
+                          f"{'a file is in the way' if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or e}"
+                          f"; choose another --out") from None
     cells = aggregate(runs, which)
     seeds = sorted({r.seed for r in runs})
     main_md = markdown_table(cells, methods, settings)

@@ -201,7 +201,7 @@ def check_data(runs) -> None:
         sp = split_training_set(ds, cfg.lt_profile, cfg.imbalance_ratio, cfg.n_max, cfg.tail_classes, cfg.partition,
                                 cfg.clients, cfg.seed, partition_settings(cfg.partition, cfg), cfg.partition_file)
         try:
-            check_clients(sp.parts, cfg.clients)
+            check_clients(sp.parts, cfg.clients, cfg.partition)
         except ConfigError as e:
             raise ConfigError(f"{r.setting} seed {r.seed}: {e} (--override)") from None
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import RunConfig, load_config, name_part, read_toml
+from ..decl import show
 from ..errors import ConfigError, Diverged
 from ..preempt import Preempted, installed
 
@@ -63,6 +64,7 @@ class Sweep:
     settings: dict[str, dict[str, Any]] = field(default_factory=lambda: {"default": {}})
     methods: dict[str, dict[str, Any]] = field(default_factory=lambda: {"fedavg": {}})
     checkpoint_every: int = 1
+    over: dict[str, Any] = field(default_factory=dict)  # the command line's settings for every run (they win)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class PlannedRun:
     setting: str  # column label
     seed: int
     cfg: RunConfig
+    root: str = ""  # the sweep's folder (the run's is root/setting/method/seed<S>: cfg.out / cfg.name)
 
     @property
     def dir(self) -> Path:
@@ -167,12 +170,18 @@ def plan(sweep: Sweep) -> list[PlannedRun]:
     """Every run of the grid as a validated RunConfig (bad settings fail here, before anything runs), ordered
     setting by setting, seed by seed, so runs sharing a federation follow each other."""
     runs = []
+    for what, labels in (("setting", sweep.settings), ("method", sweep.methods)):
+        for lab in labels:  # each label is a folder of the sweep: <out>/<setting>/<method>/seed<S>
+            if not isinstance(lab, str) or lab in ("", ".", "..") or "/" in lab or "\\" in lab or \
+                    any(ord(c) < 32 for c in lab) or len(lab.encode("utf-8", "surrogatepass")) > 200:
+                raise ConfigError(f"sweep: {what} label {show(lab)} names a folder of the sweep; use a name without "
+                                  f"/ or \\ or control characters, not . or .., of at most 200 bytes")
     for setting, s_over in sweep.settings.items():
         for seed in sweep.seeds:
             for label, m_over in sweep.methods.items():
                 merged: dict[str, Any] = {}
                 params: dict[str, Any] = {}
-                for part in (sweep.base, s_over, m_over):
+                for part in (sweep.base, s_over, m_over, sweep.over):
                     part = dict(part)
                     params.update(_table(part.pop("params", {}), "params"))
                     merged.update(part)
@@ -181,12 +190,14 @@ def plan(sweep: Sweep) -> list[PlannedRun]:
                         raise ConfigError(f"sweep: {k!r} is set by the sweep itself (out, seeds, the labels); "
                                           f"remove it from [base]/[settings]/[methods]")
                 merged.setdefault("method", label)
-                merged.update(seed=seed, out=sweep.out, name=f"{setting}/{label}/seed{seed}", params=params)
+                # a run's name is one folder name: the setting and method labels are folders of its --out
+                merged.update(seed=seed, out=str(Path(sweep.out) / setting / label), name=f"seed{seed}",
+                              params=params)
                 try:
                     cfg = load_config(None, merged)
                 except ConfigError as e:
                     raise ConfigError(f"sweep run {setting}/{label}/seed{seed}: {e}") from None
-                runs.append(PlannedRun(label, setting, seed, cfg))
+                runs.append(PlannedRun(label, setting, seed, cfg, sweep.out))
     return runs
 
 
@@ -223,11 +234,9 @@ def check_finished(run: PlannedRun) -> None:
     """A finished run is reused only if it was made with the same settings."""
     from ..runstate import config_differences
 
-    try:
-        saved = json.loads((run.dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"finished run {run.dir} has no readable config.json ({type(e).__name__}); delete it "
-                          f"to run it again") from None
+    from ..jsonutil import read_json
+
+    saved = read_json(run.dir / "config.json", f"finished run {run.dir}'s config.json", "delete the run to run it again")
     current = run.cfg.to_dict()
     if current.get("model") is None:  # the saved config holds the resolved default model
         saved.pop("model", None)
@@ -271,7 +280,7 @@ def run_plan(runs: list[PlannedRun], checkpoint_every: int = 1, progress: bool =
         return _run_todo(runs, todo, jobs, checkpoint_every, progress, echo, threads, counts, backend)
     except Preempted as e:  # a scheduler's signal: workers stopped, every unfinished run keeps its checkpoint
         left = sum(r.status() != "done" for r in runs)
-        raise e.stopped(f"sweep {runs[0].cfg.out} stopped with {left} of {len(runs)} runs unfinished; run the same "
+        raise e.stopped(f"sweep {runs[0].root} stopped with {left} of {len(runs)} runs unfinished; run the same "
                         f"command again to skip the finished ones and resume the others from their checkpoints")
 
 
@@ -495,7 +504,7 @@ def write_manifest(runs: list[PlannedRun]) -> None:
     """<out>/sweep.json: the grid (row and column order for the report) and where each run lives."""
     if not runs:
         return
-    out = Path(runs[0].cfg.out)
+    out = Path(runs[0].root)
     out.mkdir(parents=True, exist_ok=True)
     methods = list(dict.fromkeys(r.method for r in runs))
     settings = list(dict.fromkeys(r.setting for r in runs))

@@ -109,7 +109,7 @@ def _method(job: Job, device: str) -> Method:
     if key not in _METHODS:
         spec = RunSpec(**{**job.spec.__dict__, "device": device, "cache_dir": os.environ.get("FEDLT_CACHE")})
         cls = method_class(job.cfg)  # a method file: the absolute path the server's settings name
-        _METHODS[key] = cls(spec, cls.make_params(job.cfg.params))
+        _METHODS[key] = cls(spec, cls.make_params(job.cfg.params, job.cfg.allow_large))
     return _METHODS[key]
 
 

@@ -66,7 +66,7 @@ class FedltStrategy(Strategy):
         if getattr(cls, "needs_pool", False):
             raise ConfigError(f"method {cfg.method} trains on all clients' data pooled in one place, which a "
                               f"federation of SuperNodes does not have; run it with `fedlt run`")
-        self.method: Method = cls(self.spec, cls.make_params(cfg.params))
+        self.method: Method = cls(self.spec, cls.make_params(cfg.params, cfg.allow_large))
         self.job = job_text(cfg, self.spec, self.prep)
         self.transport = GridTransport(self)
         self.driver = Driver(self.method, EngineConfig.of(cfg, progress=False), self.transport, cfg.clients)
@@ -274,10 +274,12 @@ class FedltStrategy(Strategy):
         """The whole run by the run driver over ``grid``; writes the run directory (``cfg.out``/``cfg.name``)
         as every engine does (``fedlt.rundir.run_recorded``: checkpoints every ``checkpoint_every``
         rounds, ``resume`` from one) and returns the summary."""
-        from ..runstate import owned_run_dir
+        from ..runstate import check_resumable, owned_run_dir
 
         cfg = self.cfg
         out = Path(out) if out is not None else run_dir_for(cfg)
+        if resume:
+            check_resumable(out)
         self.transport.grid = grid
         self.echo(f"fedlt: waiting for {cfg.clients} SuperNodes (at most {self.wait_timeout:g} s)")
         self.connect(grid)

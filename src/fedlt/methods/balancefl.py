@@ -96,8 +96,10 @@ class BalanceFL(Method):
     @dataclass
     class Params:
         ki_temperature: float = setting(2.0, "distillation temperature T (paper Sec. 7.1)", low=0, low_open=True)
-        ki_weight: float = setting(1.0, "weight of the knowledge-inheritance loss (code: lambda = 1; paper Eq. 10: 1)")
-        smooth_weight: float = setting(0.002, "lambda_1, on the batch *sum* of the negative entropy (code's value)")
+        ki_weight: float = setting(1.0, "weight of the knowledge-inheritance loss (code: lambda = 1; paper Eq. 10: 1)",
+                                   low=0)
+        smooth_weight: float = setting(0.002, "lambda_1, on the batch *sum* of the negative entropy (code's value)",
+                                       low=0)
         balanced_sampling: bool = setting(True, "class-balanced sampling (Eq. 5)")
         feat_aug: bool = setting(True, "feature-space augmentation of the tail classes (Eq. 7)")
         class_sets: str = setting("client", "client (paper) | batch (official code)", choices=("client", "batch"))

@@ -50,8 +50,8 @@ class CCVR(FedAvg):
 
     @dataclass
     class Params:
-        per_class: int = setting(2000, "M_c, virtual representations per class", low=1)
-        epochs: int = setting(10, "classifier re-training epochs", low=0)
+        per_class: int = setting(2000, "M_c, virtual representations per class", low=1, limit=10**6)
+        epochs: int = setting(10, "classifier re-training epochs", low=0, limit=10**4)
         lr: float = setting(0.001, "re-training learning rate (SGD)", low=0, low_open=True)
         momentum: float = setting(0.9, "re-training momentum", low=0, high=1, high_open=True)
         weight_decay: float = setting(1e-5, "re-training weight decay", low=0)

@@ -38,7 +38,7 @@ class Centralized(Method):
 
     @dataclass
     class Params:
-        epochs_per_round: int = setting(1, "epochs over the pooled data per round", low=1)
+        epochs_per_round: int = setting(1, "epochs over the pooled data per round", low=1, limit=10**4)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

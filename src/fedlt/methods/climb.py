@@ -74,8 +74,8 @@ class CLIMB(Method):
     @dataclass
     class Params:
         dual_lr: float = setting(2.0, "eta_lambda (official MNIST/FMNIST; CIFAR-10: 0.1)", low=0)
-        epsilon: float = setting(0.01, "tolerance (official MNIST/FMNIST; CIFAR-10: 0.1)")
-        dual_every: int = setting(5, "primal rounds per dual step (official n_p_steps)", low=1)
+        epsilon: float = setting(0.01, "tolerance (official MNIST/FMNIST; CIFAR-10: 0.1)", low=0)
+        dual_every: int = setting(5, "primal rounds per dual step (official n_p_steps)", low=1, limit=10**6)
         weighted: bool = setting(False, "n_k-weighted primal step (RedGrape port); official: uniform over clients")
 
     # ------------------------------------------------------------------ server

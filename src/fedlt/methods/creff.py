@@ -99,14 +99,15 @@ class CReFF(Method):
 
     @dataclass
     class Params:
-        ipc: int = setting(100, "federated features per class (official num_of_feature)", low=1)
-        match_epochs: int = setting(100, "gradient-matching steps on the features per round", low=0)
-        crt_epochs: int = setting(300, "classifier re-training epochs per round", low=0)
+        ipc: int = setting(100, "federated features per class (official num_of_feature)", low=1, limit=10**5)
+        match_epochs: int = setting(100, "gradient-matching steps on the features per round", low=0, limit=10**5)
+        crt_epochs: int = setting(300, "classifier re-training epochs per round", low=0, limit=10**5)
         lr_feature: float = setting(0.1, "learning rate of the federated features", low=0, low_open=True)
         lr_net: float = setting(0.01, "re-training learning rate", low=0, low_open=True)
-        crt_batch_size: int = setting(32, "re-training batch size", low=1)
-        batch_real: int = setting(32, "real samples per class per repeat for the uploaded gradients", low=1)
-        real_repeats: int = setting(10, "repeats of the real-gradient computation", low=1)
+        crt_batch_size: int = setting(32, "re-training batch size", low=1, high=2**31 - 1)
+        batch_real: int = setting(32, "real samples per class per repeat for the uploaded gradients", low=1,
+                                  high=2**31 - 1)
+        real_repeats: int = setting(10, "repeats of the real-gradient computation", low=1, limit=10**4)
         dsa: bool = setting(False, "official main.py: Differentiable Siamese Augmentation of every real per-class "
                                    "batch")
 

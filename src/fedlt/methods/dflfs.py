@@ -112,13 +112,13 @@ class DFLFS(Method):
         select: str = setting("cluster", "cluster: the masked-statistics clustering | all: plain FedAvg (released "
                                          "code)", choices=SELECTS)
         clusters: int | None = setting(None, "k of the k-means", low=1,
-                                       none_means="half the round's clients, rounded up")
+                                       none_means="half the round's clients, rounded up", limit=10**4)
         mask_ratio: float = setting(0.5, "share of the feature dimensions a masked statistic keeps", low=0,
                                     low_open=True, high=1)
-        per_class: int = setting(1000, "regenerated features per class (stage 2)", low=1)
-        epochs: int = setting(100, "classifier re-training epochs", low=0)
+        per_class: int = setting(1000, "regenerated features per class (stage 2)", low=1, limit=10**6)
+        epochs: int = setting(100, "classifier re-training epochs", low=0, limit=10**4)
         lr: float = setting(0.01, "its SGD learning rate (no momentum)", low=0, low_open=True)
-        batch_size: int = setting(32, "its batch size", low=1)
+        batch_size: int = setting(32, "its batch size", low=1, high=2**31 - 1)
         official_cov: bool = setting(False, "the released code's scalar between-client covariance term")
 
     # ------------------------------------------------------------------ stage 1

@@ -40,7 +40,7 @@ class Ditto(FedAvg):
     class Params:
         lam: float = setting(1.0, "lambda: pull of the personal model towards the received global model", low=0)
         personal_epochs: int | None = setting(None, "epochs of the personal update per round", low=1,
-                                              none_means="the run's local_epochs", old_none="== 0")
+                                              none_means="the run's local_epochs", old_none="== 0", limit=10**4)
 
     def init_client(self, cid, data):
         return {"personal": initial_weights(self)}

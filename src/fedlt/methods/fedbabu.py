@@ -38,7 +38,7 @@ class FedBABU(PartialSharing):
 
     @dataclass
     class Params:
-        finetune_epochs: int = setting(5, "personalization epochs of the official evaluation", low=0)
+        finetune_epochs: int = setting(5, "personalization epochs of the official evaluation", low=0, limit=10**4)
         finetune_lr: float = setting(1e-3, "its fine-tuning lr (training used 0.1)", low=0)
         uniform: bool = setting(False, "true: average bodies without weights, as the official code does")
 

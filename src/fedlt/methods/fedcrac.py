@@ -103,7 +103,8 @@ class FedCRAC(Method):
         mu: float = setting(1.0, "scale of the class-similarity margin matrix (official --mu)", low=0)
         scale: float = setting(5.0, "s, the logit scale of the margin softmax (official SoftmaxMargin scale_factor)",
                                low=0, low_open=True)
-        crt_epochs: int = setting(300, "calibration steps per round (official --crt_epoch; full batch)", low=0)
+        crt_epochs: int = setting(300, "calibration steps per round (official --crt_epoch; full batch)", low=0,
+                                  limit=10**5)
         crt_lr: float | None = setting(None, "calibration lr", low=0, low_open=True,
                                        none_means="the round's local lr (official: --lr)")
         kd_alpha: float = setting(0.5, "weight of the self-distillation term", low=0)

@@ -76,7 +76,7 @@ class FedDrPlus(Method):
         lr: float | None = setting(None, "local SGD lr (the paper tunes it per algorithm, see the docstring)", low=0,
                                    low_open=True, none_means="the run's --lr", old_none="== 0")
         ft_epochs: int = setting(5, "FedDr+ FT: local fine-tuning epochs after training (0: no personalization "
-                                    "phase)", low=0)
+                                    "phase)", low=0, limit=10**4)
         ft_beta: float = setting(0.9, "beta of the fine-tuning loss (App. D.1: L_Dr+; D.2: L_DR = 1.0 also works)",
                                  low=0, high=1)
         ft_lr: float | None = setting(None, "fine-tuning lr", low=0, low_open=True, none_means="the run's --lr",

@@ -110,13 +110,14 @@ class FedETF(Method):
     @dataclass
     class Params:
         proj_dim: int | None = setting(None, "dimension d of the ETF space, >= C-1 to hold a simplex ETF", low=1,
-                                       none_means="the number of classes C (the official code)", old_none="== 0")
+                                       none_means="the number of classes C (the official code)", old_none="== 0",
+                                       limit=10**5)
         absent_count: float = setting(1.0, "count used in the balanced loss for classes the client lacks (code: "
                                            "clamp 1)", low=0)
         keep_momentum: bool = setting(False, "keep each client's SGD momentum across rounds (the official code does)")
         pers_rounds: int = setting(20, "personalization: alternations of (M only, projection only); 0: no phase",
-                                   low=0)
-        pers_epochs: int = setting(3, "epochs of each half of an alternation", low=0)
+                                   low=0, limit=10**4)
+        pers_epochs: int = setting(3, "epochs of each half of an alternation", low=0, limit=10**4)
         pers_lr_m: float = setting(0.1, "SGD lr for M_k (no momentum, no weight decay)", low=0)
         pers_lr_proj: float = setting(0.05, "SGD lr for the projection (momentum 0.9)", low=0)
         pers_wd_proj: float = setting(5e-4, "weight decay for the projection", low=0)

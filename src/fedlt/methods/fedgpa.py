@@ -96,9 +96,9 @@ class FedGPA(Method):
     @dataclass
     class Params:
         vit_weights: str = setting("", "safetensors file: a ViT in timm's layout (vit_base_patch16_224); required")
-        tokens: int = setting(10, "P, deep prompt tokens per block", low=1)
-        varphi: float = setting(4.0, "weight coefficient of the positive gradients")
-        sigma: float = setting(12.0, "slope of the negative weight's sigmoid")
+        tokens: int = setting(10, "P, deep prompt tokens per block", low=1, limit=10**4)
+        varphi: float = setting(4.0, "weight coefficient of the positive gradients", low=0)
+        sigma: float = setting(12.0, "slope of the negative weight's sigmoid", low=0)
         mu: float = setting(0.8, "its centre")
         vit_mean: tuple[float, ...] = setting((0.5, 0.5, 0.5), "the ViT's input normalisation (timm "
                                                                "vit_base_patch16_224): mean per channel")

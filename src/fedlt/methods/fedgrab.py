@@ -105,7 +105,7 @@ class FedGraB(FedAvg):
     class Params:
         dpa: str = setting("off", "off: every class is tail (released code) | norm: our reading of the paper's DPA",
                            choices=("off", "norm"))
-        dpa_round: int = setting(1, "the DPA runs after this round (before it no controller is on)", low=0)
+        dpa_round: int = setting(1, "the DPA runs after this round (before it no controller is on)", low=0, limit=10**6)
         dpa_threshold: float = setting(1.0, "tail: estimated prior below dpa_threshold / C", low=0, low_open=True)
         train_head: bool = setting(True, "false: the classifier is not trained locally (the released code)")
 

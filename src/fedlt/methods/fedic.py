@@ -67,14 +67,14 @@ class FedIC(FedAvg):
 
     @dataclass
     class Params:
-        aux_per_class: int = setting(100, "labelled server samples per class", low=1)
-        steps: int = setting(100, "Adam steps of each of the three server stages, every round", low=0)
+        aux_per_class: int = setting(100, "labelled server samples per class", low=1, limit=10**6)
+        steps: int = setting(100, "Adam steps of each of the three server stages, every round", low=0, limit=10**6)
         lr: float = setting(0.001, "the server stages' Adam lr", low=0, low_open=True)
         weight_decay: float = setting(2e-4, "of the two models' Adam (not the highway's)", low=0)
         T: float = setting(2.0, "distillation temperature", low=0, low_open=True)
         ld: float = setting(0.5, "weight of the distillation term (1 - ld: CE on labelled aux data)", low=0, high=1)
-        batch_labeled: int = setting(20, "batch size on the labelled auxiliary data", low=1)
-        batch_distill: int = setting(128, "batch size of the distillation", low=1)
+        batch_labeled: int = setting(20, "batch size on the labelled auxiliary data", low=1, high=2**31 - 1)
+        batch_distill: int = setting(128, "batch size of the distillation", low=1, high=2**31 - 1)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

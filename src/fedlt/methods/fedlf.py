@@ -112,7 +112,7 @@ class FedLF(Method):
         centre_weight: float = setting(0.5, "lambda of the class-centre L1 term (official lambda_2, hard-coded 0.5)",
                                        low=0)
         warmup_rounds: int = setting(10, "rounds before the server builds the global class centres (official "
-                                         "warm_up_epoch)", low=0)
+                                         "warm_up_epoch)", low=0, limit=10**6)
         decorr_weight: float = setting(0.1, "weight of the feature decorrelation (FedDecorr's coefficient; 0: "
                                             "official code)", low=0)
         centre_detach: bool = setting(False, "official: class centres of detached features (the term then trains "

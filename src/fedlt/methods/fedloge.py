@@ -125,10 +125,11 @@ class FedLoGe(Method):
         refine: str = setting("auto", "SSE-C geometry loss on the surviving entries: auto (sse-c or sparse) | true | "
                                       "false", choices=("auto", "true", "false"))
         gamma: float | None = setting(None, "norm target", low=0, old_none="< 0",
-                                      none_means="the variant's (paper 1.0, official 0.1 = the code's \"tau\")")
+                                      none_means="the variant's (paper 1.0, official 0.1 = the code's \"tau\")",
+                                      low_open=True)
         sse_variant: str = setting("paper", "paper | official (gamma 0.1, U[0,1) basis, floor rounding)",
                                    choices=("paper", "official"))
-        sse_steps: int = setting(10_000, "Adam steps of the SSE-C construction (official: 10,000)", low=0)
+        sse_steps: int = setting(10_000, "Adam steps of the SSE-C construction (official: 10,000)", low=0, limit=10**6)
         sse_lr: float = setting(1e-4, "its learning rate (official: 1e-4)", low=0, low_open=True)
         fixed_bias: bool = setting(False, "official code: a frozen random bias U(-1/sqrt(d), 1/sqrt(d)) on the SSE-C")
         send_fixed: bool = setting(False, "ship the matrix once per client instead of deriving it from the seed")
@@ -149,7 +150,7 @@ class FedLoGe(Method):
                                         "(Alg. 1)", choices=("sum", "realigned"))
         mask_absent: bool = setting(True, "personal logits of classes absent from the client's training data -> -inf")
         finetune_epochs: int = setting(0, "CE epochs on the realigned head after LA-FR (Alg. 1 line 12; official 0)",
-                                       low=0)
+                                       low=0, limit=10**4)
         preview: bool = setting(True, "per-round evaluations also report GA-FR / LA-FR of the current heads")
 
     def __init__(self, spec, params=None):

@@ -45,8 +45,8 @@ class FedRep(FedPer):
 
     @dataclass
     class Params:
-        head_epochs: int = setting(10, "local_ep - local_rep_ep in the official scripts", low=0)
-        body_epochs: int = setting(1, "local_rep_ep", low=0)
+        head_epochs: int = setting(10, "local_ep - local_rep_ep in the official scripts", low=0, limit=10**4)
+        body_epochs: int = setting(1, "local_rep_ep", low=0, limit=10**4)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

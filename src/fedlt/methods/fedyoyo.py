@@ -131,7 +131,7 @@ class FedYoYo(FedAvg):
         T: float = setting(1.5, "distillation temperature", low=0, low_open=True)
         tau: float = setting(1.5, "logit-adjustment exponent", low=0)
         gamma: float = setting(0.1, "per-batch blend of the prior towards the local distribution", low=0, high=1)
-        warmup: int = setting(50, "rounds over which the distillation weight ramps up", low=1)
+        warmup: int = setting(50, "rounds over which the distillation weight ramps up", low=1, limit=10**6)
         momentum: float | None = setting(None, "local SGD momentum", low=0, high=1, high_open=True, old_none="< 0",
                                          none_means="none (the official optimiser)")
 

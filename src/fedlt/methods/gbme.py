@@ -120,7 +120,7 @@ class GBME(Method):
 
     @dataclass
     class Params:
-        experts: int = setting(3, "E, classifier experts (official num_experts)", low=1)
+        experts: int = setting(3, "E, classifier experts (official num_experts)", low=1, limit=10**4)
         beta: float = setting(0.5, "in expert rounds, the share of clients training their own group's expert", low=0,
                               high=1)
         expert_start: float = setting(0.6, "expert rounds after this fraction of the rounds (official: 3/5)", low=0,

@@ -74,7 +74,7 @@ class MOON(FedAvg):
         tau: float = setting(0.5, "temperature", low=0, low_open=True)
         projection: str = setting("mlp", "mlp (paper, official: 2-layer projection head) | none (PFLlib / "
                                          "LongTailLib)", choices=("mlp", "none"))
-        out_dim: int = setting(256, "output dimension of the projection head", low=1)
+        out_dim: int = setting(256, "output dimension of the projection head", low=1, limit=10**5)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

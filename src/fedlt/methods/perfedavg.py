@@ -78,7 +78,7 @@ class PerFedAvg(FedAvg):
         beta: float | None = setting(None, "outer (meta) step size", low=0, low_open=True, old_none="== 0",
                                      none_means="the round's lr (which follows --lr-schedule)")
         delta: float = setting(1e-3, "finite-difference step of the Hessian-free variant", low=0, low_open=True)
-        personal_steps: int = setting(1, "gradient steps of size alpha that personalize theta", low=0)
+        personal_steps: int = setting(1, "gradient steps of size alpha that personalize theta", low=0, limit=10**6)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

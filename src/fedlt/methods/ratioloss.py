@@ -82,11 +82,11 @@ class RatioLoss(Method):
 
     @dataclass
     class Params:
-        aux_per_class: int = setting(32, "size of the server's auxiliary set per class", low=1)
-        alpha0: float = setting(1.0, "alpha_c = alpha0 + beta * R_c (step 4)")
-        beta: float = setting(0.1, "the ratio's weight in alpha_c (step 4)")
+        aux_per_class: int = setting(32, "size of the server's auxiliary set per class", low=1, limit=10**6)
+        alpha0: float = setting(1.0, "alpha_c = alpha0 + beta * R_c (step 4)", low=0)
+        beta: float = setting(0.1, "the ratio's weight in alpha_c (step 4)", low=0)
         outlier_threshold: float = setting(0.8, "ownership of a weight entry: no other monitor above this fraction "
-                                                "of its change (step 2)")
+                                                "of its change (step 2)", low=0, high=1)
         ratio_cap: float = setting(5000.0, "R_c is capped at this (step 3)", low=0, low_open=True)
         uniform_average: bool = setting(False, "official code: unweighted mean of the client models")
 

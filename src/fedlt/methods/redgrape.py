@@ -72,7 +72,8 @@ class RedGrape(Method):
     @dataclass
     class Params:
         lam: float = setting(0.1, "re-balancing strength lambda (paper: 0.1 in all experiments)", low=0)
-        T: int = setting(8, "samples per class in the local balanced set, and the threshold to count as held", low=1)
+        T: int = setting(8, "samples per class in the local balanced set, and the threshold to count as held", low=1,
+                         limit=10**6)
         rebalance_step: str = setting("joint", "joint: Eq. 13 through the optimiser (paper); separate: official code",
                                       choices=("joint", "separate"))
         prox_mu: float = setting(0.0, "FedProx term; the official code silently uses 0.1", low=0)

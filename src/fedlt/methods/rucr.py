@@ -93,11 +93,11 @@ class RUCR(FedAvg):
     class Params:
         lam: float = setting(0.15, "weight of the prototype term (official feat_loss_arg)", low=0)
         t: float = setting(1.0, "its temperature", low=0, low_open=True)
-        kappa: float = setting(1.0, "scale of the log global ratio (official times_arg)")
-        crt_feat_num: int = setting(100, "mixed-up features per class", low=1)
-        crt_epochs: int = setting(50, "official local_bal_ep", low=0)
+        kappa: float = setting(1.0, "scale of the log global ratio (official times_arg)", low=0)
+        crt_feat_num: int = setting(100, "mixed-up features per class", low=1, limit=10**6)
+        crt_epochs: int = setting(50, "official local_bal_ep", low=0, limit=10**5)
         crt_lr: float = setting(0.01, "official lr_cls_balance (SGD, no momentum)", low=0, low_open=True)
-        crt_batch_size: int = setting(256, "batch size of the classifier re-training", low=1)
+        crt_batch_size: int = setting(256, "batch size of the classifier re-training", low=1, high=2**31 - 1)
         left: float = setting(0.35, "lam ~ U(left, right) (official uniform_left / uniform_right)", low=0, high=1)
         right: float = setting(0.95, "the upper end of that uniform, >= left", low=0, high=1)
 
