@@ -13,12 +13,16 @@ os.environ.pop("WANDB_API_KEY", None)
 os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
                    "FLWR_TELEMETRY_ENABLED": "0"})
 
-import pytest
-import torch
+# the tests see the plugins they plant (each names its folder), never one installed in the environment (the
+# writing-a-method tutorial's fedavg-la): fedlt.registry.plugin_visible; child processes inherit it
+os.environ["FEDLT_PLUGIN_PATH"] = ""
 
-from fedlt.config import RunConfig
-from fedlt.engine import EngineConfig, Simulation
-from fedlt.rundir import federation_for, prepare
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fedlt.config import RunConfig  # noqa: E402
+from fedlt.engine import EngineConfig, Simulation  # noqa: E402
+from fedlt.rundir import federation_for, prepare  # noqa: E402
 
 torch.set_num_threads(1)
 

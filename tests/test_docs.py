@@ -46,6 +46,7 @@ def doc_env(tmp: Path) -> dict[str, str]:
     site = tmp / "site-packages"
     return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1", "FEDLT_CACHE": str(tmp / "cache"),
+            "FEDLT_PLUGIN_PATH": str(site),
             "FEDLT_TENSORBOARD": "0", "MPLBACKEND": "Agg",
             # pip stores PIP_NO_BUILD_ISOLATION's value in build_isolation: "0" is --no-build-isolation
             "PIP_TARGET": str(site), "PIP_NO_DEPS": "1", "PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "0",

@@ -113,7 +113,8 @@ def chains(tmp_path_factory):
     (tmp / "file").mkdir()
     steps = (chain("tinyavg", [], tmp / "ep", "") +
              chain("tinyfile", ["--method-file", "my_method.py"], tmp / "file", 'method_file = "my_method.py"\n'))
-    env = {**os.environ, "PYTHONPATH": str(tmp / "site"), "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0"}
+    env = {**os.environ, "PYTHONPATH": str(tmp / "site"), "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0",
+           "FEDLT_PLUGIN_PATH": str(tmp / "site")}
     r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(steps)], cwd=tmp, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -191,6 +192,7 @@ def test_broken_plugins_are_one_line_errors_and_builtins_keep_working(tmp_path, 
                                                  "raises": "brokenplug_raises:X"})
     (site / "brokenplug_raises.py").write_text("raise RuntimeError('bad plugin code\\nsecond line')\n")
     monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("FEDLT_PLUGIN_PATH", str(site))
     out = tmp_path / "runs"
     errs = []
     for method, needle in [("broken-import", "import failed: ModuleNotFoundError: No module named 'brokenplug_missing'"),

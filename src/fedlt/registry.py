@@ -36,6 +36,27 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
 
 
+PLUGIN_PATH = "FEDLT_PLUGIN_PATH"
+
+
+def plugin_visible(ep) -> bool:
+    """Whether an installed entry point counts. ``$FEDLT_PLUGIN_PATH`` set: only those of distributions installed
+    under its folders (separated by ``os.pathsep``; empty: none) -- a test suite sees the plugins it plants and
+    none that happen to be installed in the environment. Unset: every installed one."""
+    import os
+    from pathlib import Path
+
+    if PLUGIN_PATH not in os.environ:
+        return True
+    roots = [Path(p).resolve() for p in os.environ[PLUGIN_PATH].split(os.pathsep) if p]
+    dist = getattr(ep, "dist", None)
+    try:
+        where = Path(str(dist.locate_file(""))).resolve() if dist is not None else None
+    except (OSError, TypeError, AttributeError):
+        where = None
+    return where is not None and any(where == r or r in where.parents for r in roots)
+
+
 class Registry:
     def __init__(self, kind: str, group: str | None = None):
         """``group``: the entry-point group of plugins (None: none). ``base``: the class every plugin object
@@ -118,6 +139,8 @@ class Registry:
         self._plugins = {}
         seen: dict[str, list] = {}
         for ep in entry_points(group=self.group):
+            if not plugin_visible(ep):
+                continue
             if all(e.value != ep.value for e in seen.get(ep.name, [])):  # a path listed twice: one entry point
                 seen.setdefault(ep.name, []).append(ep)
         for name, eps in seen.items():
