@@ -51,6 +51,26 @@ def run_small(method: str = "fedavg", params: dict | None = None, **over):
     return sim, final
 
 
+def trained_runs():
+    """``get(name, run=None, **params)``: the small federation trained once per (method, params, run settings)
+    for as long as ``get`` lives (``run``: overrides of small_config, e.g. fewer rounds). A test module shares its
+    trained runs through a module-scoped fixture returning one."""
+    runs: dict = {}
+
+    def get(name, run=None, **params):
+        key = (name, tuple(sorted(params.items())), tuple(sorted((run or {}).items())))
+        if key not in runs:
+            runs[key] = run_small(name, params, **(run or {}))
+        return runs[key]
+
+    return get
+
+
+def final_gm(final, mode=None):
+    """A final evaluation's GM accuracy in ``mode`` (default: the first GM mode the method reports)."""
+    return final["global"][mode or next(iter(final["global"]))]
+
+
 @pytest.fixture
 def small():
     return run_small

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 torch.set_num_threads(1)
 
+from conftest import final_gm, trained_runs  # noqa: E402
 from fedlt.core import Message, RunSpec, weighted_average  # noqa: E402
 from fedlt.errors import ConfigError  # noqa: E402
 from fedlt.registry import METHODS  # noqa: E402
@@ -26,26 +27,14 @@ def method(name, spec_over=None, **params):
     return cls(spec(**(spec_over or {})), cls.make_params(params))
 
 
-_RUNS: dict = {}
-
-
 @pytest.fixture(scope="module")
 def trained():
     """``trained(name, run=None, **params)``: the small federation trained once per (method, params, run settings)
     in this module (``run``: overrides of conftest's small_config, e.g. fewer rounds)."""
-    from conftest import run_small
-
-    def get(name, run=None, **params):
-        key = (name, tuple(sorted(params.items())), tuple(sorted((run or {}).items())))
-        if key not in _RUNS:
-            _RUNS[key] = run_small(name, params, **(run or {}))
-        return _RUNS[key]
-
-    return get
+    return trained_runs()
 
 
-def gm(final, mode=None):
-    return final["global"][mode or next(iter(final["global"]))]
+gm = final_gm
 
 
 # ------------------------------------------------------------------------------------------------ FedNova

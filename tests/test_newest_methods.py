@@ -11,30 +11,21 @@ import torch.nn.functional as F
 
 torch.set_num_threads(1)
 
+from conftest import final_gm, trained_runs  # noqa: E402
 from fedlt.core import Message, RunSpec  # noqa: E402
 from fedlt.errors import ConfigError  # noqa: E402
 from fedlt.registry import METHODS  # noqa: E402
 
 C = 10
-_RUNS: dict = {}
 
 
 @pytest.fixture(scope="module")
 def trained():
     """``trained(name, run=None, **params)``: the small federation trained once per (method, params, run)."""
-    from conftest import run_small
-
-    def get(name, run=None, **params):
-        key = (name, tuple(sorted(params.items())), tuple(sorted((run or {}).items())))
-        if key not in _RUNS:
-            _RUNS[key] = run_small(name, params, **(run or {}))
-        return _RUNS[key]
-
-    return get
+    return trained_runs()
 
 
-def gm(final, mode=None):
-    return final["global"][mode or next(iter(final["global"]))]
+gm = final_gm
 
 
 # ------------------------------------------------------------------------------------------------ FedRS

@@ -200,7 +200,8 @@ def test_kill_9_and_resume_continue_the_same_tracked_runs_without_a_step_twice(t
     for key, want in EXPECTED.items():
         assert _history(client, after.info.run_id, key) == [(x["round"], pytest.approx(want(x))) for x in rounds], key
     rows = _wandb_rows(d)
-    assert len({folder for folder, _, _ in rows}) == 2  # the killed session's and the resumed one's
+    # the killed session's folder and the resumed one's (one when both started in the same second, or when the
+    # kill came before W&B wrote a row): together every round once, under the one run id
     assert {p.name.split("-")[-1] for p in d.glob("wandb/offline-run-*")} == {json.loads((d / "trackers.json").read_text())["wandb"]["id"]}
     assert sorted(step for _, step, _ in rows) == [1, 2, 3, 4, 5, 6]
     by_step = {step: items for _, step, items in rows}
