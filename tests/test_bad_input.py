@@ -271,3 +271,25 @@ def test_output_folder_that_cannot_be_written_is_one_line(tmp_path):
                          *[x for k, v in FAST.items() for x in (f"--{k.replace('_', '-')}", str(v))]])
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "cannot write" in err and "choose another --out" in err
+
+
+@pytest.mark.parametrize("figures", [[], ["--no-figures"]])
+def test_report_on_a_metrics_file_with_a_garbage_line_is_one_line(tmp_path, figures):
+    """A damaged metrics.jsonl (a line that is not JSON, not the last one cut short by a kill) is one line naming
+    the file and the line, with or without figures, and no report is written; the same run reports once
+    repaired."""
+    runs = tmp_path / "runs"
+    code, err = run_cli(["run", "--out", str(runs), "--name", "r", "--no-progress", "--threads", "1",
+                         *[x for k, v in FAST.items() for x in (f"--{k.replace('_', '-')}", str(v))]])
+    assert code == 0, err
+    f = runs / "r" / "metrics.jsonl"
+    good = f.read_text().splitlines()
+    assert len(good) >= 2
+    f.write_text("\n".join([good[0], "{garbage", *good[1:]]) + "\n")
+    code, err = run_cli(["report", str(runs / "r"), *figures])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "metrics.jsonl line 2 is not a JSON record" in err, err
+    assert not (runs / "r" / "report").exists()
+    f.write_text("\n".join(good) + "\n")
+    code, err = run_cli(["report", str(runs / "r"), *figures])
+    assert code == 0 and (runs / "r" / "report" / "table.md").is_file(), err

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..config import SETTINGS
 from ..errors import ConfigError
-from ..jsonutil import read_json
+from ..jsonutil import read_json, read_json_lines
 
 METRICS = ("GM", "many", "medium", "few", "PM")
 MAIN = ("GM", "PM")
@@ -124,6 +124,7 @@ def collect(root: str | Path) -> tuple[list[Run], list[str], list[str]]:
     for d, cfg, setting in zip(dirs, configs, derived):
         lab = cfg.get("labels") or {}
         summ = _read_json(d / "summary.json") if (d / "summary.json").is_file() else None
+        _round_records(d)  # a damaged metrics.jsonl is one line here, before any of the report is written
         runs.append(Run(d, str(lab.get("method", _row_label(cfg))), str(lab.get("setting", setting)),
                         int(lab.get("seed", cfg.get("seed", 0))), cfg, summ))
     methods = list(dict.fromkeys(r.method for r in runs))
@@ -310,19 +311,10 @@ def clients_table(runs: list[Run]) -> str | None:
 
 
 def _round_records(run_dir: Path) -> list[dict]:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
         return []
-    out = []
-    for x in lines:
-        try:
-            rec = json.loads(x)
-        except ValueError:
-            continue
-        if "round" in rec:
-            out.append(rec)
-    return out
+    return [r for r in read_json_lines(f, "re-run that run or remove its directory") if "round" in r]
 
 
 # ------------------------------------------------------------------------------------------------ the page
