@@ -1,6 +1,7 @@
 """Shared fixtures: small long-tailed federations that train in seconds on two CPU cores."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 # experiment trackers (fedlt.trackers) in tests: nothing leaves the machine, nothing starts by default
@@ -167,3 +168,27 @@ def method_test_params(method: str) -> dict:
     -- resume, Flower -- not the setting)."""
     files = tiny_clip_files() if method == "clip2fl" else {"vit_weights": tiny_vit_file()} if method == "fedgpa" else {}
     return {**files, **_LIGHT.get(method, {})}
+
+
+class Stop(Exception):
+    """Stands for the process being killed (:func:`dies_in_round`)."""
+
+
+@contextlib.contextmanager
+def dies_in_round(cls, n: int, only=None):
+    """The run started in the block dies (raises :class:`Stop`) as ``cls.train_round`` (``Simulation`` or
+    ``Driver``) is about to train round ``n`` -- of a run ``only(self)`` picks, where given; the block must end
+    so, and ``train_round`` is restored whatever happens."""
+    orig = cls.train_round
+
+    def dying(self):
+        if self.round == n - 1 and (only is None or only(self)):
+            raise Stop(f"killed before round {n}")
+        return orig(self)
+
+    cls.train_round = dying
+    try:
+        with pytest.raises(Stop):
+            yield
+    finally:
+        cls.train_round = orig

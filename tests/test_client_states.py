@@ -25,7 +25,7 @@ from fedlt.rundir import federation_for, prepare
 from fedlt.registry import METHODS
 from fedlt.safefile import load_tree
 
-from conftest import method_test_params, small_config
+from conftest import dies_in_round, method_test_params, small_config
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -332,20 +332,9 @@ def test_a_checkpoint_of_an_earlier_fedlt_with_every_state_in_it_resumes_into_th
     from fedlt.safefile import save_tree
 
     ref = rundir.run(_run_cfg(tmp_path, "ref"), progress=False, echo=lambda *a: None)
-    cfg, orig = _run_cfg(tmp_path, "old"), Driver.train_round
-
-    class Stop(Exception):
-        pass
-
-    def dies_in_round_3(self):
-        if self.round == 2:
-            raise Stop
-        return orig(self)
-
-    monkeypatch.setattr(Driver, "train_round", dies_in_round_3)
-    with pytest.raises(Stop):
+    cfg = _run_cfg(tmp_path, "old")
+    with dies_in_round(Driver, 3):
         rundir.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1)
-    monkeypatch.setattr(Driver, "train_round", orig)
     run_dir = tmp_path / "old"
     ck = load_tree(run_dir / "checkpoint.safetensors", "checkpoint")  # rewritten as an earlier fedlt wrote it
     versions = ck["sim"]["client_states"]["versions"]

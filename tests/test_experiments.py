@@ -20,15 +20,11 @@ from fedlt.runstate import load_final_state
 from fedlt.experiments.sweep import Sweep, parse_sweep, plan, run_plan
 from fedlt.registry import METHODS
 
-from conftest import method_test_params, small_config
+from conftest import dies_in_round, method_test_params, small_config
 
 TINY = dict(dataset="digits", clients=6, alpha=1.0, rounds=2, eval_every=1, local_epochs=1, batch_size=16,
             model="smallcnn")
 QUIET = dict(progress=False, echo=lambda *a, **k: None)
-
-
-class Stop(Exception):
-    """Stands for the process being killed."""
 
 
 def _strip(ev: dict) -> dict:
@@ -95,20 +91,11 @@ def test_killed_run_resumes_from_checkpoint_without_duplicate_rounds(tmp_path, m
     run_plan(ref_runs, checkpoint_every=2, **QUIET)
 
     runs = plan(_tiny_sweep(tmp_path / "cut", methods=["fedavg"], **base))
-    orig = Simulation.train_round
-
-    def dies_in_round_4(self):
-        if self.round == 3:
-            raise Stop
-        return orig(self)
-
-    monkeypatch.setattr(Simulation, "train_round", dies_in_round_4)
-    with pytest.raises(Stop):
+    with dies_in_round(Simulation, 4):
         run_plan(runs, checkpoint_every=2, **QUIET)
     d = runs[0].dir
     assert runs[0].status() == "partial"
     assert [json.loads(x)["round"] for x in (d / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
-    monkeypatch.setattr(Simulation, "train_round", orig)
 
     counts = run_plan(runs, checkpoint_every=2, **QUIET)
     assert counts == {"skipped": 0, "resumed": 1, "started": 0, "elsewhere": 0, "diverged": 0}

@@ -11,6 +11,8 @@ import pytest
 
 from fedlt.cli import main as cli_main
 
+from conftest import dies_in_round
+
 RUN = ["--method", "fedloge", "--dataset", "digits", "--clients", "4", "--alpha", "1.0", "--rounds", "2",
        "--eval-every", "1", "--local-epochs", "1", "--batch-size", "16", "--model", "mlp", "--threads", "1"]
 
@@ -60,10 +62,6 @@ def test_bad_backend_config_is_one_line(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
-class Killed(Exception):
-    """Stands for the process being killed."""
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_flower_simulation_resumes_through_the_run_driver(tmp_path, monkeypatch):
@@ -77,16 +75,7 @@ def test_flower_simulation_resumes_through_the_run_driver(tmp_path, monkeypatch)
 
     run = [*RUN, "--method", "fedavg", "--rounds", "3", "--out", str(tmp_path)]
     assert cli_main(["flower", "inprocess", *run, "--name", "whole"]) == 0
-    train_round = Driver.train_round
-
-    def stops_in_round_2(self):
-        if self.round == 1:
-            raise Killed
-        return train_round(self)
-
-    monkeypatch.setattr(Driver, "train_round", stops_in_round_2)
-    with pytest.raises(Killed):
+    with dies_in_round(Driver, 2):
         cli_main(["flower", "inprocess", *run, "--name", "cut"])
-    monkeypatch.setattr(Driver, "train_round", train_round)
     sa, sb = _simulated_like(tmp_path / "whole", [*run, "--name", "cut", "--resume"])
     assert sb["resumed_after_round"] == 1 and sb["last3"] == sa["last3"]

@@ -12,6 +12,8 @@ from fedlt.config import RunConfig, load_config, lr_at
 from fedlt.errors import ConfigError
 from fedlt.registry import METHODS
 
+from conftest import dies_in_round
+
 
 def test_step_schedule_decays_after_each_milestone_like_multisteplr():
     cfg = load_config(overrides={"lr": 0.35, "rounds": 320, "lr_schedule": "step", "lr_milestones": "160,240"})
@@ -68,21 +70,9 @@ def test_each_rounds_lr_is_logged_and_a_resumed_run_has_the_same_sequence(tmp_pa
     lrs = [r["lr"] for r in rows if "round" in r]
     assert lrs == [0.1, 0.05, 0.025]
 
-    class Killed(Exception):
-        pass
-
     cfg = load_config(overrides={**over, "name": "resumed"})
-    orig = Simulation.train_round
-
-    def dies_in_round_3(self):
-        if self.round == 2:
-            raise Killed
-        return orig(self)
-
-    monkeypatch.setattr(Simulation, "train_round", dies_in_round_3)
-    with pytest.raises(Killed):
+    with dies_in_round(Simulation, 3):
         run(cfg, **quiet)
-    monkeypatch.setattr(Simulation, "train_round", orig)
     assert (tmp_path / "resumed" / CHECKPOINT).is_file()
     pr = prepare(cfg)
     assert pr.method.spec.lr == 0.1  # a new process: nothing but the settings and the round decide the lr

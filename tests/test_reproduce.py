@@ -23,6 +23,7 @@ from fedlt.papers import PAPERS, presets, tables
 from fedlt.registry import METHODS
 
 from datafixtures import write_cifar10, write_imagenet_lt
+from conftest import dies_in_round
 
 SMALL = ["--override", "model=smallcnn", "--override", "clients=4", "--override", "local_epochs=1",
          "--threads", "1", "--no-progress", "--no-figures"]
@@ -148,26 +149,13 @@ def test_reproduce_imagenet_lt_lists_from_python(tmp_path):
         assert [by[m].ours for m in k["ours"]] == sorted((by[m].ours for m in k["ours"]), reverse=True)
 
 
-class Stop(Exception):
-    pass
-
-
 def test_killed_reproduction_resumes_and_ends_like_an_uninterrupted_one(cifar_dir, tmp_path, monkeypatch):
     kw = dict(methods=["fedavg", "fedloge"], settings=["cifar10-lt-a1-if50"], seeds=[0], rounds=2,
               data_dir=str(cifar_dir), threads=1, figures=False,
               overrides={"model": "smallcnn", "clients": 4, "local_epochs": 1, "eval_every": 1})
     ref = fedlt.reproduce("fedloge-table1", out=str(tmp_path / "ref"), **kw)
-    orig = Simulation.train_round
-
-    def dies_in_fedloge_round_2(self):
-        if self.round == 1 and type(self.method).__name__.lower().startswith("fedloge"):
-            raise Stop
-        return orig(self)
-
-    monkeypatch.setattr(Simulation, "train_round", dies_in_fedloge_round_2)
-    with pytest.raises(Stop):
+    with dies_in_round(Simulation, 2, only=lambda sim: type(sim.method).__name__.lower().startswith("fedloge")):
         fedlt.reproduce("fedloge-table1", out=str(tmp_path / "cut"), **kw)
-    monkeypatch.setattr(Simulation, "train_round", orig)
     again = fedlt.reproduce("fedloge-table1", out=str(tmp_path / "cut"), **kw)
     assert again.runs.counts == {"skipped": 1, "resumed": 1, "started": 0, "elsewhere": 0, "diverged": 0}
     key = lambda r: (r.method, r.setting, r.metric)  # noqa: E731

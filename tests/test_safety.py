@@ -25,6 +25,8 @@ from fedlt.divergence import DivergenceCheck, nonfinite_entry
 from fedlt.runstate import CHECKPOINT, PREVIOUS, load_checkpoint, load_final_state
 from fedlt.experiments.sweep import parse_sweep, plan, run_plan, visible_gpus, worker_devices
 
+from conftest import dies_in_round
+
 QUIET = dict(progress=False, echo=lambda *a, **k: None)
 TINY = ["--dataset", "digits", "--rho", "10", "--clients", "4", "--alpha", "1", "--local-epochs", "1",
         "--batch-size", "16", "--no-progress", "--threads", "1"]
@@ -221,10 +223,6 @@ def test_safe_format_round_trips_types_and_refuses_foreign_files(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
-class Stop(Exception):
-    pass
-
-
 def _strip(ev):
     return {k: v for k, v in ev.items() if k != "eval_time"}
 
@@ -242,19 +240,8 @@ def reference_and_cut(tmp_path_factory):
     (ref,) = _tiny_run_plan(root / "ref")
     run_plan([ref], checkpoint_every=1, **QUIET)
     (cut,) = _tiny_run_plan(root / "cut")
-    orig = Simulation.train_round
-
-    def dies_in_round_4(self):
-        if self.round == 3:
-            raise Stop
-        return orig(self)
-
-    Simulation.train_round = dies_in_round_4
-    try:
-        with pytest.raises(Stop):
-            run_plan([cut], checkpoint_every=1, **QUIET)
-    finally:
-        Simulation.train_round = orig
+    with dies_in_round(Simulation, 4):
+        run_plan([cut], checkpoint_every=1, **QUIET)
     return json.loads((ref.dir / "summary.json").read_text()), cut
 
 
