@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -92,6 +93,25 @@ class Cluster:
             assert p is None or p.poll() is None, f"{proc or name} ended before {text!r}:\n{self.log(name)[-3000:]}"
             assert time.monotonic() < end, f"{text!r} never appeared {count} time(s) in {name}'s log"
             time.sleep(0.2)
+
+    def run_id(self, log: str, timeout: float = 600, proc: str | None = None) -> str:
+        """The Flower run id that the ``fedlt flower run`` of process ``log`` started."""
+        self.wait_for(log, "Successfully started run ", timeout=timeout, proc=proc or log)
+        return re.search(r"Successfully started run (\d+)", self.log(log)).group(1)
+
+    def wait_for_training(self, run_id: str, nodes: list[int], timeout: float = 900, proc: str | None = None) -> int:
+        """Until one of the SuperNodes ``nodes`` has received a train message of Flower run ``run_id`` (not of
+        an earlier run, whose messages a restarted SuperLink may still hand out); returns its number."""
+        pat = re.compile(r"\[RUN %s, ROUND \d+\][^\n]*\n[^\n]*Receiving: train message" % run_id)
+        end = time.monotonic() + timeout
+        while True:
+            for k in nodes:
+                if pat.search(self.log(f"supernode{k}")):
+                    return k
+            p = self.procs.get(proc) if proc else None
+            assert p is None or p.poll() is None, f"{proc} ended before a SuperNode trained:\n{self.log(proc)[-3000:]}"
+            assert time.monotonic() < end, f"no SuperNode of {nodes} received a train message of run {run_id}"
+            time.sleep(0.05)
 
     def kill(self, name: str, sig: int = signal.SIGKILL, tree: bool = False) -> None:
         """Kill process ``name``'s process group; with ``tree``, every process it started too, whatever their
