@@ -192,3 +192,21 @@ def dies_in_round(cls, n: int, only=None):
             yield
     finally:
         cls.train_round = orig
+
+
+def pytest_collection_finish(session):
+    """Start the Flower deployments of the collected tests of test_flower_deploy.py in the background (they
+    mostly wait; see that module), so that they run beside the rest of the suite."""
+    items = [i for i in session.items if i.path.name == "test_flower_deploy.py"]
+    if items and not session.config.option.collectonly:
+        base = session.config._tmp_path_factory.mktemp("deployments", numbered=False)
+        items[0].module.start_scenarios(items, base)
+
+
+def pytest_sessionfinish(session):
+    """Whatever deployment is still up (a session interrupted), down with it."""
+    import sys
+
+    fc = sys.modules.get("flowercluster")
+    for c in list(getattr(fc, "LIVE", ())):
+        c.stop_all()

@@ -16,6 +16,9 @@ import uuid
 from pathlib import Path
 
 
+LIVE: set["Cluster"] = set()  # clusters not stopped yet (conftest.pytest_sessionfinish stops what is left)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -34,6 +37,7 @@ class Cluster:
         self.port = free_port()
         self.node_ports: dict[int, int] = {}
         self.starts: dict[str, int] = {}
+        LIVE.add(self)
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         """``fedlt flower ARGS`` as process ``name``; its output goes to ``name.log`` (appended to on a
@@ -131,6 +135,7 @@ class Cluster:
         p.wait(30)
 
     def stop_all(self) -> None:
+        LIVE.discard(self)
         for p in self.procs.values():
             try:
                 os.killpg(p.pid, signal.SIGTERM)

@@ -1,11 +1,20 @@
-"""Real deployment on 127.0.0.1 only: a Flower SuperLink and SuperNodes started with `fedlt flower ...`, a run
+"""Real deployment on 127.0.0.1 only: a Flower SuperLink and SuperNodes started with `fedlt flower ...`, runs
 submitted with `fedlt flower run` (Flower's `flwr run`). Every process runs in its own process group and is
-killed in ``finally``; a marker in the environment proves afterwards that none is left. Slow: Flower starts a
-fresh ClientApp process (python + torch) for every message."""
+killed in ``finally``; a marker in the environment proves afterwards that none is left.
+
+Slow, and mostly waiting: Flower starts a fresh ClientApp process (python + torch) for every message, its
+SuperNodes poll every 3 s, and a dead SuperNode is noticed after two missed 30-s heartbeats. So each test's
+deployment is a *scenario* that starts in a background thread as soon as the session has collected it
+(``conftest.pytest_collection_finish`` calls :func:`start_scenarios`), beside the other tests; the test waits
+for its scenario's result, then checks it (against the in-process simulation, run in the test itself).
+"""
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +30,51 @@ RUN_TIMEOUT = 900  # s: generous, the machines are shared; a healthy run takes o
 SMALL = ["--dataset", "digits", "--imbalance-ratio", "10", "--alpha", "1.0", "--clients", "2", "--participation",
          "1.0", "--rounds", "2", "--eval-every", "2", "--local-epochs", "2", "--batch-size", "16", "--model",
          "smallcnn", "--seed", "0", "--threads", "1"]
+RESUMED = {"ditto": [], "fedloge": ["--set", "sse_steps=200"]}  # method: its parameters
+SCENARIOS: dict[str, Future] = {}  # scenario name: its result (the run directory and what was seen on the way)
 
 
-def test_killed_supernode_is_recorded_missing(tmp_path):
-    c = Cluster(tmp_path)
+def scenario_name(item) -> str:
+    """The deployment a collected test of this module checks."""
+    method = getattr(item, "callspec", None) and item.callspec.params.get("method")
+    return f"resume-{method}" if method else "killed-supernode"
+
+
+def start(name: str, tmp: Path, background: bool = True) -> Future:
+    """Scenario ``name`` in folder ``tmp``, in a thread of its own (or here), at most once a session."""
+    if name not in SCENARIOS:
+        fut: Future = Future()
+        SCENARIOS[name] = fut
+
+        def work():
+            tmp.mkdir(parents=True, exist_ok=True)
+            try:
+                fut.set_result(resume_scenario(tmp, name[len("resume-"):]) if name.startswith("resume-")
+                               else killed_supernode_scenario(tmp))
+            except BaseException as e:  # noqa: BLE001 -- the test re-raises it
+                fut.set_exception(e)
+
+        if background:
+            threading.Thread(target=work, name=f"deploy-{name}", daemon=True).start()
+        else:
+            work()
+    return SCENARIOS[name]
+
+
+def start_scenarios(items, base: Path) -> None:
+    """Start the deployments of the collected tests ``items`` of this module, in folders under ``base``."""
+    for item in items:
+        start(scenario_name(item), base / scenario_name(item))
+
+
+def scenario(name: str, tmp_path: Path) -> dict:
+    """The result of scenario ``name`` (run here and now if the session did not start it)."""
+    return start(name, tmp_path, background=False).result(timeout=3 * RUN_TIMEOUT)
+
+
+def killed_supernode_scenario(tmp: Path) -> dict:
+    """Two SuperNodes; SuperNode 1 is killed (SIGKILL) while it trains round 2."""
+    c = Cluster(tmp)
     try:
         c.up()
         t0 = time.monotonic()
@@ -40,19 +90,23 @@ def test_killed_supernode_is_recorded_missing(tmp_path):
         assert rc == 0, c.log("run")[-3000:]
     finally:
         c.stop_all()
-    out = tmp_path / "runs" / "dep"
+    return {"out": tmp / "runs" / "dep", "wall": wall}
+
+
+def test_killed_supernode_is_recorded_missing(tmp_path):
+    res = scenario("killed-supernode", tmp_path)
+    out = res["out"]
     summary = json.loads((out / "summary.json").read_text())
     rounds = {r["round"]: r for r in records(out) if "round" in r}
     assert rounds[1]["missing"] == [] and rounds[2]["missing"] == [1]
     assert summary["missing"] == {"round 2": [1], "eval 2": [1]}  # the last evaluation is the final one
     assert summary["final"]["global"]["global"]["acc"] > 0.2  # the run went on with client 0
     assert len(summary["final"]["personal"]["global"]["per_client"]) == 1
-    print(f"\nrun with a killed SuperNode: {wall:.1f} s wall; record:",
+    print(f"\nrun with a killed SuperNode: {res['wall']:.1f} s wall; record:",
           json.dumps({"round 2": rounds[2]["missing_why"], "missing": summary["missing"]}))
 
 
-@pytest.mark.parametrize("method,params", [("ditto", []), ("fedloge", ["--set", "sse_steps=200"])])
-def test_deployed_run_resumes_exactly_after_the_superlink_and_a_supernode_die(tmp_path, method, params):
+def resume_scenario(tmp: Path, method: str) -> dict:
     """Three SuperNodes with their --state-dir, a SuperLink on its database, every socket on 127.0.0.1 only; two of
     three clients per round, so clients skip rounds. The SuperLink (and every process it started) is killed with
     SIGKILL once round 1 is checkpointed: the interrupted `fedlt flower run` says so in one line and exits 75. The
@@ -65,10 +119,10 @@ def test_deployed_run_resumes_exactly_after_the_superlink_and_a_supernode_die(tm
 
     settings = ["--dataset", "digits", "--imbalance-ratio", "10", "--alpha", "1.0", "--clients", "3",
                 "--participation", "2", "--rounds", "2", "--eval-every", "2", "--local-epochs", "1", "--batch-size",
-                "16", "--model", "smallcnn", "--seed", "0", "--threads", "1", "--method", method, *params,
+                "16", "--model", "smallcnn", "--seed", "0", "--threads", "1", "--method", method, *RESUMED[method],
                 "--round-timeout", "300"]
-    out = tmp_path / "runs" / "dep"
-    c = Cluster(tmp_path)
+    out = tmp / "runs" / "dep"
+    c = Cluster(tmp)
     try:
         c.up(3, database=True, state_dirs=True)
         first = c.submit(*settings, log="first")
@@ -94,13 +148,20 @@ def test_deployed_run_resumes_exactly_after_the_superlink_and_a_supernode_die(tm
         assert f"client {node} is back on SuperNode" in c.log("second"), c.log("second")[-3000:]
     finally:
         c.stop_all()
+    return {"out": out}
+
+
+@pytest.mark.parametrize("method", list(RESUMED))
+def test_deployed_run_resumes_exactly_after_the_superlink_and_a_supernode_die(tmp_path, method):
+    """The deployment of :func:`resume_scenario` ends as the uninterrupted simulation."""
+    out = scenario(f"resume-{method}", tmp_path)["out"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_after_round"] == 1 and summary["missing"] == {}, summary["missing"]
     assert summary["engine"] == "flower"
     if method == "fedloge":
         assert [r["phase"] for r in records(out) if "phase" in r] == ["ga-fr", "la-fr"]
-    sim, final = run_small(method, {"sse_steps": 200} if params else {}, clients=3, participation=2, rounds=2,
-                           eval_every=2, local_epochs=1)
+    sim, final = run_small(method, {"sse_steps": 200} if RESUMED[method] else {}, clients=3, participation=2,
+                           rounds=2, eval_every=2, local_epochs=1)
     state = load_final_state(out)["state"]
     assert max(float((state["weights"][k] - sim.state["weights"][k]).abs().max()) for k in state["weights"]) < 1e-5
     got, n_test = summary["final"], len(sim.fed.dataset.y_test)
