@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+from concurrent.futures import Future
 
 # experiment trackers (fedlt.trackers) in tests: nothing leaves the machine, nothing starts by default
 for _k, _v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
@@ -194,13 +196,50 @@ def dies_in_round(cls, n: int, only=None):
         cls.train_round = orig
 
 
+# ------------------------------------------------------------------------------------------- background jobs
+# The suite runs in one process, and a few tests spend minutes mostly waiting (Flower deployments: a process
+# per message, 3-s polls, 60 s until a dead SuperNode is noticed). A module that defines
+# ``start_background(items, base)`` is handed its collected tests once the session has collected them, and
+# starts their work with :func:`background`; each test then waits for its job's result and checks it. The work is
+# the same as in the test itself: only when it runs changes. (CPU-bound work gains nothing so: tried with the
+# documentation pages' commands, the suite took as long and the tests beside them slowed.)
+BACKGROUND: dict[str, Future] = {}
+
+
+def background(jobs: dict) -> None:
+    """Start ``jobs`` (name: a function of no arguments), each in a daemon thread of its own; :func:`job_result`
+    gives a job's result (a job started twice runs once)."""
+    new = {k: f for k, f in jobs.items() if k not in BACKGROUND}
+    for k in new:
+        BACKGROUND[k] = Future()
+
+    def work(k):
+        try:
+            BACKGROUND[k].set_result(new[k]())
+        except BaseException as e:  # noqa: BLE001 -- the test re-raises it
+            BACKGROUND[k].set_exception(e)
+
+    for k in new:
+        threading.Thread(target=work, args=(k,), name=f"background-{k}", daemon=True).start()
+
+
+def job_result(name: str, fn, timeout: float = 3600):
+    """The result of background job ``name`` (``fn()`` started now if no one started it)."""
+    if name not in BACKGROUND:
+        background({name: fn})  # started by hand (a test run alone by its node id still has the session hook)
+    return BACKGROUND[name].result(timeout=timeout)
+
+
 def pytest_collection_finish(session):
-    """Start the Flower deployments of the collected tests of test_flower_deploy.py in the background (they
-    mostly wait; see that module), so that they run beside the rest of the suite."""
-    items = [i for i in session.items if i.path.name == "test_flower_deploy.py"]
-    if items and not session.config.option.collectonly:
-        base = session.config._tmp_path_factory.mktemp("deployments", numbered=False)
-        items[0].module.start_scenarios(items, base)
+    if session.config.option.collectonly:
+        return
+    by_module: dict = {}
+    for item in session.items:
+        mod = getattr(item, "module", None)
+        if mod is not None and hasattr(mod, "start_background"):
+            by_module.setdefault(mod, []).append(item)
+    for mod, items in by_module.items():
+        mod.start_background(items, session.config._tmp_path_factory.mktemp(f"bg-{mod.__name__}", numbered=False))
 
 
 def pytest_sessionfinish(session):

@@ -4,23 +4,21 @@ killed in ``finally``; a marker in the environment proves afterwards that none i
 
 Slow, and mostly waiting: Flower starts a fresh ClientApp process (python + torch) for every message, its
 SuperNodes poll every 3 s, and a dead SuperNode is noticed after two missed 30-s heartbeats. So each test's
-deployment is a *scenario* that starts in a background thread as soon as the session has collected it
-(``conftest.pytest_collection_finish`` calls :func:`start_scenarios`), beside the other tests; the test waits
-for its scenario's result, then checks it (against the in-process simulation, run in the test itself).
+deployment is a *scenario* that starts in a background thread of its own as soon as the session has collected
+it (:func:`start_background`, conftest's background jobs), beside the other tests; the test waits for its
+scenario's result, then checks it (against the in-process simulation, run in the test itself).
 """
 from __future__ import annotations
 
 import json
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("flwr")
 
-from conftest import run_small  # noqa: E402
+from conftest import background, job_result, run_small  # noqa: E402
 from flowercluster import Cluster, records  # noqa: E402
 from fedlt.runstate import load_final_state  # noqa: E402
 
@@ -31,7 +29,6 @@ SMALL = ["--dataset", "digits", "--imbalance-ratio", "10", "--alpha", "1.0", "--
          "1.0", "--rounds", "2", "--eval-every", "2", "--local-epochs", "2", "--batch-size", "16", "--model",
          "smallcnn", "--seed", "0", "--threads", "1"]
 RESUMED = {"ditto": [], "fedloge": ["--set", "sse_steps=200"]}  # method: its parameters
-SCENARIOS: dict[str, Future] = {}  # scenario name: its result (the run directory and what was seen on the way)
 
 
 def scenario_name(item) -> str:
@@ -40,36 +37,23 @@ def scenario_name(item) -> str:
     return f"resume-{method}" if method else "killed-supernode"
 
 
-def start(name: str, tmp: Path, background: bool = True) -> Future:
-    """Scenario ``name`` in folder ``tmp``, in a thread of its own (or here), at most once a session."""
-    if name not in SCENARIOS:
-        fut: Future = Future()
-        SCENARIOS[name] = fut
-
-        def work():
-            tmp.mkdir(parents=True, exist_ok=True)
-            try:
-                fut.set_result(resume_scenario(tmp, name[len("resume-"):]) if name.startswith("resume-")
-                               else killed_supernode_scenario(tmp))
-            except BaseException as e:  # noqa: BLE001 -- the test re-raises it
-                fut.set_exception(e)
-
-        if background:
-            threading.Thread(target=work, name=f"deploy-{name}", daemon=True).start()
-        else:
-            work()
-    return SCENARIOS[name]
+def scenario_job(name: str, tmp: Path):
+    def job():
+        tmp.mkdir(parents=True, exist_ok=True)
+        return (resume_scenario(tmp, name[len("resume-"):]) if name.startswith("resume-")
+                else killed_supernode_scenario(tmp))
+    return job
 
 
-def start_scenarios(items, base: Path) -> None:
-    """Start the deployments of the collected tests ``items`` of this module, in folders under ``base``."""
-    for item in items:
-        start(scenario_name(item), base / scenario_name(item))
+def start_background(items, base: Path) -> None:
+    """conftest's hook: the collected tests' deployments, each in a thread of its own (they mostly wait)."""
+    background({f"deploy-{scenario_name(i)}": scenario_job(scenario_name(i), base / scenario_name(i))
+                for i in items})
 
 
 def scenario(name: str, tmp_path: Path) -> dict:
-    """The result of scenario ``name`` (run here and now if the session did not start it)."""
-    return start(name, tmp_path, background=False).result(timeout=3 * RUN_TIMEOUT)
+    """The result of deployment ``name``."""
+    return job_result(f"deploy-{name}", scenario_job(name, tmp_path), timeout=3 * RUN_TIMEOUT)
 
 
 def killed_supernode_scenario(tmp: Path) -> dict:

@@ -112,3 +112,25 @@ def test_sigterm_to_a_parallel_sweep_stops_its_workers_and_the_sweep_resumes_lik
     report = dict(echo=lambda *a: None, figures=False)
     assert (R.write_report(tmp_path / "par", **report) / "table.md").read_text() == \
         (R.write_report(tmp_path / "seq", **report) / "table.md").read_text()
+
+
+def test_a_signal_just_after_a_round_is_logged_waits_for_that_rounds_checkpoint(tmp_path, capsys, monkeypatch):
+    """The window the test above can hit by chance, hit on purpose: SIGTERM arrives the moment round 2's record
+    is in metrics.jsonl, before its checkpoint. The run stops after that checkpoint: round 2 is logged and saved
+    (not logged and lost), and the stop line says so."""
+    from fedlt.runstate import MetricsLog
+
+    real = MetricsLog.__call__
+
+    def log_then_signal(self, rec):
+        real(self, rec)
+        if rec.get("round") == 2 and "eval" in rec:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(MetricsLog, "__call__", log_then_signal)
+    d = tmp_path / "a"
+    assert cli_main(["run", *RUN, "--out", str(tmp_path), "--name", "a"]) == 143
+    err = capsys.readouterr().err
+    assert f"run {d} stopped in round 3 of 6; round 2 is checkpointed there" in err, err
+    assert load_checkpoint(d, json.loads((d / "config.json").read_text()))["sim"]["round"] == 2
+    assert _rounds_logged(d / "metrics.jsonl") == 2

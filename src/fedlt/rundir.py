@@ -265,6 +265,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     check = DivergenceCheck(cfg.method, cfg.lr, cfg.on_diverge, cfg.diverge_factor, echo)
     driver.after_train.append(check)
     driver.after_round += [snapshot_heads, checkpoint]
+    driver.round_end = deferred  # a signal after a round's record waits for its checkpoint
     snapshot_heads(driver)
     extra = {**extra, "missing": driver.missing}  # clients that did not answer, by round (none in process)
     try:

@@ -21,6 +21,7 @@ clients are visited in, and whichever transport carries it.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -197,6 +198,10 @@ class Driver:
         self.client_counts: Callable[[], np.ndarray] | None = None
         self.plans: dict[int, RoundPlan] = {}  # each round's, drawn from the seed when first needed
         self.after_round: list[Callable[["Driver"], None]] = []
+        # the context in which a finished round is recorded (metrics.jsonl) and its after_round hooks run: the
+        # run directory's code makes it preempt.deferred, so that a signal cannot fall between a round's record
+        # and its checkpoint (the round is then both logged and saved, or neither)
+        self.round_end: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         # called with each round's record after training and before its evaluation (a divergence check)
         self.after_train: list[Callable[["Driver", dict], None]] = []
 
@@ -386,14 +391,15 @@ class Driver:
                 if is_eval_round(self.round, cfg.eval_every, cfg.rounds):
                     rec["eval"] = self.evaluate(f"eval {self.round}")
                     last = headline(rec["eval"])
-                self.history.append(rec)
-                self.log(rec)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix({k: f"{v:.3f}" for k, v in last.items() if v is not None} |
-                                    {"loss": f"{rec['train_loss'] or 0:.3f}"})
-                for hook in self.after_round:
-                    hook(self)
+                with self.round_end():
+                    self.history.append(rec)
+                    self.log(rec)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix({k: f"{v:.3f}" for k, v in last.items() if v is not None} |
+                                        {"loss": f"{rec['train_loss'] or 0:.3f}"})
+                    for hook in self.after_round:
+                        hook(self)
         finally:  # also when the run stops (diverged, a signal): the bar's line is cleared for what is said next
             if bar is not None:
                 bar.close()
