@@ -21,8 +21,9 @@ How a fenced block is run, by its info string:
 
 Shortening (:func:`shorten`, pages named in ``SHORTEN``): every ``fedlt run``/``compare`` line trains one round
 (two where it names more: enough for a page's divergence in round 2) of one local epoch (``--local-epochs 1``),
-on Fashion-MNIST its long tail from 600 head-class samples instead of 6,000 (``--n-max 600``), with one torch
-thread and no progress bar, and ``--device cuda`` becomes ``--device cpu``.
+on Fashion-MNIST its long tail from 600 head-class samples instead of 6,000 (``--n-max 600``), with two torch
+threads (where the machine has two cores; the numbers of a shortened command are not compared) and no progress
+bar, and ``--device cuda`` becomes ``--device cpu``.
 
 The commands run with the test's Python first on PATH (``python``, ``fedlt``, ``pip``, and ``.venv/bin/fedlt`` in
 the working folder), one torch thread, a private FEDLT_CACHE, and ``pip install`` redirected to a folder of the
@@ -118,9 +119,13 @@ def parse_check(where: str, code: str) -> int:
     return n
 
 
+# a shortened command's torch threads: the pages' commands run one at a time, and their numbers are not compared
+SHORT_THREADS = min(2, os.cpu_count() or 1)
+
+
 def shorten(code: str) -> str:
     """A block's commands as the test runs them (``SHORTEN``): one or two training rounds of one local epoch, less
-    Fashion-MNIST, one thread, no progress bar, the CPU for CUDA."""
+    Fashion-MNIST, two threads, no progress bar, the CPU for CUDA."""
     def one(m):
         cmd = m.group(0)
         sub = re.match(r"(\S*fedlt)\s+(run|compare)\b", cmd)
@@ -136,7 +141,7 @@ def shorten(code: str) -> str:
         fmnist = data.group(1) == "fashion-mnist" if data else preset is None or preset.group(1).startswith("fmnist")
         if fmnist and "--n-max" not in cmd and "--config" not in cmd:
             cmd += " --n-max 600"  # Fashion-MNIST's long tail from 600 head-class samples, not 6,000
-        for flag, extra in (("--threads", "--threads 1"), ("--no-progress", "--no-progress")):
+        for flag, extra in (("--threads", f"--threads {SHORT_THREADS}"), ("--no-progress", "--no-progress")):
             if flag not in cmd and not (flag == "--no-progress" and sub.group(2) == "compare"):
                 cmd += " " + extra
         return cmd.replace("--device cuda", "--device cpu")
