@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ..errors import ConfigError  # noqa: E402
-from ..jsonutil import read_json, read_json_lines  # noqa: E402
+from ..jsonutil import read_json  # noqa: E402
 from ..runstate import head_like, load_final_state  # noqa: E402
 
 
@@ -60,8 +60,7 @@ def all_figures(runs, methods: list[str], settings: list[str], out: Path) -> lis
 def _evals(run) -> tuple[list[int], list[float | None], list[float | None], bool, list[str | None]]:
     """Rounds, GM and PM of every evaluation (first global / personal mode), whether phases ran, the modes."""
     rounds, gm, pm, phases, modes = [], [], [], False, [None, None]
-    path = run.dir / "metrics.jsonl"
-    for rec in read_json_lines(path, "re-run that run or remove its directory") if path.is_file() else []:
+    for rec in run.records:
         if "phase" in rec:
             phases = True
         if "eval" not in rec:

@@ -23,7 +23,7 @@ import csv
 import io
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,7 @@ class Run:
     seed: int
     config: dict
     summary: dict | None  # None: not finished
+    records: list[dict] = field(default_factory=list)  # its metrics.jsonl, read once (:func:`collect`)
 
     @property
     def diverged(self) -> bool:
@@ -124,9 +125,10 @@ def collect(root: str | Path) -> tuple[list[Run], list[str], list[str]]:
     for d, cfg, setting in zip(dirs, configs, derived):
         lab = cfg.get("labels") or {}
         summ = _read_json(d / "summary.json") if (d / "summary.json").is_file() else None
-        _round_records(d)  # a damaged metrics.jsonl is one line here, before any of the report is written
+        m = d / "metrics.jsonl"  # a damaged one is one line here, before any of the report is written
+        recs = read_json_lines(m, "re-run that run or remove its directory") if m.is_file() else []
         runs.append(Run(d, str(lab.get("method", _row_label(cfg))), str(lab.get("setting", setting)),
-                        int(lab.get("seed", cfg.get("seed", 0))), cfg, summ))
+                        int(lab.get("seed", cfg.get("seed", 0))), cfg, summ, recs))
     methods = list(dict.fromkeys(r.method for r in runs))
     settings = list(dict.fromkeys(r.setting for r in runs))
     manifest = root / "sweep.json"
@@ -298,8 +300,7 @@ def clients_table(runs: list[Run]) -> str | None:
         c = (r.summary or {}).get("clients_per_round")
         if not c or (c["arrived"] == c["sampled"] and "sim_time" not in r.summary):
             continue
-        recs = _round_records(r.dir)
-        arrived = [h["arrived"] for h in recs if "arrived" in h]
+        arrived = [h["arrived"] for h in r.records if "round" in h and "arrived" in h]
         sim = r.summary.get("sim_time")
         rows.append(f"| {r.setting} | {r.method} | {r.seed} | {c['sampled']:.2f} | {c['trained']:.2f} | "
                     f"{c['arrived']:.2f} | {min(arrived, default=0)} | {sum(a == 0 for a in arrived)} | "
@@ -308,13 +309,6 @@ def clients_table(runs: list[Run]) -> str | None:
         return None
     return "\n".join(["| setting | method | seed | sampled | trained | arrived | fewest arrived | rounds without "
                       "replies | simulated s |", "|---|---|---|---|---|---|---|---|---|", *rows])
-
-
-def _round_records(run_dir: Path) -> list[dict]:
-    f = run_dir / "metrics.jsonl"
-    if not f.is_file():
-        return []
-    return [r for r in read_json_lines(f, "re-run that run or remove its directory") if "round" in r]
 
 
 # ------------------------------------------------------------------------------------------------ the page
