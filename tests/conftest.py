@@ -20,6 +20,13 @@ os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DI
 # writing-a-method tutorial's fedavg-la): fedlt.registry.plugin_visible; child processes inherit it
 os.environ["FEDLT_PLUGIN_PATH"] = ""
 
+# `make test` runs the suite in two pytest-xdist workers (one per core of the CI machine). Every torch beside
+# another busy process uses one thread: two OpenMP threads on two busy cores wait for each other (rounds 25x
+# slower); child processes inherit it. XDIST: this process is a worker.
+XDIST = "PYTEST_XDIST_WORKER" in os.environ
+if XDIST:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -181,7 +188,7 @@ def dies_in_round(cls, n: int, only=None):
     """The run started in the block dies (raises :class:`Stop`) as ``cls.train_round`` (``Simulation`` or
     ``Driver``) is about to train round ``n`` -- of a run ``only(self)`` picks, where given; the block must end
     so, and ``train_round`` is restored whatever happens."""
-    orig = cls.train_round
+    orig, own = cls.train_round, "train_round" in vars(cls)
 
     def dying(self):
         if self.round == n - 1 and (only is None or only(self)):
@@ -192,8 +199,11 @@ def dies_in_round(cls, n: int, only=None):
     try:
         with pytest.raises(Stop):
             yield
-    finally:
-        cls.train_round = orig
+    finally:  # as it was: an inherited train_round (Simulation's is Driver's) is inherited again, not a copy
+        if own:  # that would hide a later patch of the base class from the subclass
+            cls.train_round = orig
+        else:
+            del cls.train_round
 
 
 # ------------------------------------------------------------------------------------------- background jobs
@@ -230,16 +240,45 @@ def job_result(name: str, fn, timeout: float = 3600):
     return BACKGROUND[name].result(timeout=timeout)
 
 
-def pytest_collection_finish(session):
-    if session.config.option.collectonly:
-        return
+_STARTED: set = set()
+
+
+def _start_background(session, only=None) -> None:
+    """Hand every module that defines ``start_background`` (or only module ``only``) its collected tests, once."""
     by_module: dict = {}
     for item in session.items:
         mod = getattr(item, "module", None)
-        if mod is not None and hasattr(mod, "start_background"):
+        if mod is not None and hasattr(mod, "start_background") and only in (None, mod) and mod not in _STARTED:
             by_module.setdefault(mod, []).append(item)
     for mod, items in by_module.items():
+        _STARTED.add(mod)
         mod.start_background(items, session.config._tmp_path_factory.mktemp(f"bg-{mod.__name__}", numbered=False))
+
+
+# the files that take longest (mostly waiting: deployments, a Ray cluster; or many runs of a page's commands) go
+# first under xdist (with --no-loadscope-reorder, as `make test` runs it), one to each worker, so that no worker
+# starts one of them when the other has nothing left
+FIRST = ("test_flower_deploy.py", "test_docs.py", "test_ray.py", "test_flower_simulation.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if XDIST:
+        rank = {name: i for i, name in enumerate(FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
+
+
+def pytest_collection_finish(session):
+    # in one process: at once, beside every other test. An xdist worker collects every test but runs the files it
+    # is sent (--dist loadfile: a module's tests all go to one worker), so it starts a module's jobs at the first
+    # test of that module it runs: they then run beside the other worker's tests
+    if not session.config.option.collectonly and not XDIST:
+        _start_background(session)
+
+
+def pytest_runtest_setup(item):
+    mod = getattr(item, "module", None)
+    if XDIST and mod is not None and hasattr(mod, "start_background") and mod not in _STARTED:
+        _start_background(item.session, only=mod)
 
 
 def pytest_sessionfinish(session):

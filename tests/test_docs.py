@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import XDIST
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
@@ -119,8 +120,9 @@ def parse_check(where: str, code: str) -> int:
     return n
 
 
-# a shortened command's torch threads: the pages' commands run one at a time, and their numbers are not compared
-SHORT_THREADS = min(2, os.cpu_count() or 1)
+# a shortened command's torch threads: the pages' commands run one at a time, and their numbers are not compared;
+# one beside the other xdist worker (conftest.XDIST)
+SHORT_THREADS = 1 if XDIST else min(2, os.cpu_count() or 1)
 
 
 def shorten(code: str) -> str:

@@ -14,8 +14,10 @@ import os
 import re
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,11 +59,12 @@ def _raylet_pid(temp_dir: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """Head: 1 CPU; worker node: 2 CPUs and a resource of its own. A run asks for 1 CPU, so three run at once,
     two of them on the worker node. Every child process (Ray's workers too) has slower rounds."""
     pytest.importorskip("ray")
-    tmp = tmp_path_factory.mktemp("ray")
+    # short: Ray's socket paths under it must fit AF_UNIX's 107 bytes (an xdist worker's tmp_path is longer)
+    tmp = Path(tempfile.mkdtemp(prefix="fedlt-ray-"))
     env = {**slow_env(tmp, 0.4), "RAY_USAGE_STATS_ENABLED": "0"}
     port = _free_port()
     common = ["--node-ip-address", LOOPBACK, "--object-store-memory", str(80 * 2**20), "--disable-usage-stats"]
@@ -79,6 +82,7 @@ def cluster(tmp_path_factory):
         yield {"address": f"{LOOPBACK}:{port}", "env": env, "worker_dir": tmp / "worker", "tmp": tmp}
     finally:
         _stop(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _stop(tmp: Path) -> None:
