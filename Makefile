@@ -31,8 +31,8 @@ data:
 demo: $(BIN)/.installed-$(DEMO_EXTRAS) data
 	$(BIN)/fedlt run --method fedloge --rounds 10 --eval-every 5 --threads 1 --out runs/demo
 
-# The suite in two pytest-xdist processes (one per core of a 2-core machine; 10 minutes there, where one process
-# took 15; measured: 673 s against 900 s): a file's tests stay in one process (module fixtures, background deployments), and the files that take
+# The suite in two pytest-xdist processes, one per core of a 2-core machine (there: 673 s, where one process took
+# 900 s): a file's tests stay in one process (module fixtures, background deployments), and the files that take
 # longest start first (tests/conftest.py FIRST; xdist's own order, by number of tests, is turned off).
 test: $(BIN)/.installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
