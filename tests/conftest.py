@@ -277,7 +277,7 @@ def pytest_collection_finish(session):
 
 def pytest_runtest_setup(item):
     mod = getattr(item, "module", None)
-    if XDIST and mod is not None and hasattr(mod, "start_background") and mod not in _STARTED:
+    if XDIST and hasattr(mod, "start_background") and mod not in _STARTED:  # the first test of such a module
         _start_background(item.session, only=mod)
 
 

@@ -22,8 +22,8 @@ How a fenced block is run, by its info string:
 Shortening (:func:`shorten`, pages named in ``SHORTEN``): every ``fedlt run``/``compare`` line trains one round
 (two where it names more: enough for a page's divergence in round 2) of one local epoch (``--local-epochs 1``),
 on Fashion-MNIST its long tail from 600 head-class samples instead of 6,000 (``--n-max 600``), with two torch
-threads (where the machine has two cores; the numbers of a shortened command are not compared) and no progress
-bar, and ``--device cuda`` becomes ``--device cpu``.
+threads (where the machine has two cores; one beside the other process of `make test`'s two; the numbers of a
+shortened command are not compared) and no progress bar, and ``--device cuda`` becomes ``--device cpu``.
 
 The commands run with the test's Python first on PATH (``python``, ``fedlt``, ``pip``, and ``.venv/bin/fedlt`` in
 the working folder), one torch thread, a private FEDLT_CACHE, and ``pip install`` redirected to a folder of the
@@ -127,7 +127,7 @@ SHORT_THREADS = 1 if XDIST else min(2, os.cpu_count() or 1)
 
 def shorten(code: str) -> str:
     """A block's commands as the test runs them (``SHORTEN``): one or two training rounds of one local epoch, less
-    Fashion-MNIST, two threads, no progress bar, the CPU for CUDA."""
+    Fashion-MNIST, ``SHORT_THREADS`` threads, no progress bar, the CPU for CUDA."""
     def one(m):
         cmd = m.group(0)
         sub = re.match(r"(\S*fedlt)\s+(run|compare)\b", cmd)
