@@ -12,8 +12,12 @@ Server: FedAvg (n_k-weighted).
 Inference: the global model as it is (w^T f(x) + b; the scaling is a training device only). No personal model.
 Communication: FedAvg's.
 
-Paper vs. official code (lxcnju/FedRepo ``algorithms/fedrs.py`` at 18eeb6d; the same ``get_cdist`` in
-18sym/FedLF ``algorithm/FedRS.py`` at 99f98b3 and xujli/fedcrac ``methods/fedrs.py`` at e0c4684)
+Paper vs. official code (lxcnju/FedRepo ``algorithms/fedrs.py`` at 617ee01, as fixed in dc2cb6a; the same
+scaling, computed from the counts at every step, in 18sym/FedLF ``algorithm/FedRS.py`` at 99f98b3 and in the
+``get_cdist`` of xujli/fedcrac ``methods/fedrs.py`` at e0c4684). FedRepo's first upload, 18eeb6d, differs: it
+writes the scaled vector back into ``dist`` at every step, so step s (from 1) of a round scales class c by
+1 - (1 - alpha)^s (1 - n_{k,c} / max n): the restriction decays geometrically towards 1 (the plain softmax) within
+a round. The fix of 2022-07-24 (dc2cb6a) scales into a new variable and keeps the counts: what fedlt reproduces.
 =======================  =========================================  =============================================
                          paper (default)                            official code (option)
 =======================  =========================================  =============================================
