@@ -38,10 +38,12 @@ stage 2 covariance         the pooled covariance with outer products    np.dot o
                                                                         added to every entry (``official_cov``)
 =========================  ===========================================  ==========================================
 The released stage 2 also imports a module missing from the repository (``train_frame``, the client statistics);
-fedlt computes them as CCVR does. Values from the released code: 1,000 regenerated features per class, 100
-epochs, lr 0.01, batch 32, a new classifier. ``clusters`` (default: half the round's clients, rounded up) and
-``mask_ratio`` (0.5) are fedlt's choices. The official local optimiser is SGD lr 0.1 without momentum, 10 local
-epochs, batch 32.
+fedlt computes them as CCVR does. The released stage 1 averages every entry of the state dict, BN's integer
+``num_batches_tracked`` too, as sum_k n_k x_k / sum_k n_k, a float that ``load_state_dict`` truncates back to an
+integer; fedlt rounds it (``weighted_average``; a counter only BN without momentum reads). Values from the released
+code: 1,000 regenerated features per class, 100 epochs, lr 0.01, batch 32, a new classifier. ``clusters`` (default:
+half the round's clients, rounded up) and ``mask_ratio`` (0.5) are fedlt's choices. The official local optimiser is
+SGD lr 0.1 without momentum, 10 local epochs, batch 32.
 """
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ Server:
      likewise (over the clients that sent statistics of c; a class nobody sent keeps its last values).
   3. M_{ij} = mu_margin * cos(mu_i, mu_j).
   4. Self Distillation Classifier Calibration: N_c = sum_k n_{k,c} pseudo representations of class c drawn from
-     N(mu_c, diag v_c); the teacher is the aggregated W (frozen), the student starts from it; ``crt_epochs``
-     full-batch steps of SGD (lr ``crt_lr``, by default the round's local lr, momentum 0.9, Nesterov) on
+     N(mu_c, diag v_c); the teacher is the aggregated W (frozen; ``calib_start=previous``: the W broadcast this
+     round), the student starts from it; ``crt_epochs`` full-batch steps of SGD (lr ``crt_lr``, by default the
+     round's local lr, momentum 0.9, Nesterov) on
         (1 - a) CE(o, y) + a T^2 KL(softmax(o_T / T) || softmax(o / T))      (a = 0.5, T = 0.5)
      where o and o_T are the student's and the teacher's margin logits s (W h + M[y] (1 - e_y)).
   5. The calibrated W replaces the aggregated one: it is the broadcast and the inference classifier.
@@ -35,6 +36,30 @@ statistics of a class      classes with >= 2 samples; others not sent   the clie
                                                                         clients a process trains in turn: a class
                                                                         with < 2 samples sends whatever an earlier
                                                                         client left there
+features of the statistics eval mode (BN's running statistics), no      train mode, as local training left the
+                           augmentation                                 model (BN normalises each batch by its own
+                                                                        statistics and updates its running ones),
+                                                                        the training loader; not reproduced
+calibration start          student and teacher start from the           ``retrain()`` runs before the aggregate is
+                           aggregated classifier                        loaded: both start from the previous server
+                           (``calib_start=aggregate``)                  classifier, the one broadcast this round,
+                                                                        and the clients' averaged classifier is
+                                                                        discarded (``calib_start=previous``); the
+                                                                        backbone is the aggregate either way
+calibration loss per step  one full-batch mean (``calib_chunks=full``)  each step sums, over the chunks between
+                                                                        the bounds range(0, N, N // 4) + [N], the
+                                                                        chunk's mean loss / 4 (gradients
+                                                                        accumulated chunk by chunk, then one
+                                                                        optimiser step): a sample weighs
+                                                                        1 / (4 m), m its chunk's size, not 1 / N.
+                                                                        For N >= 12: four chunks of N // 4 and,
+                                                                        when N % 4 = r > 0, a fifth of the last r
+                                                                        samples (the last class's: the pseudo
+                                                                        representations are ordered by class),
+                                                                        each weighing 1 / (4 r)
+                                                                        (``calib_chunks=official``; for N < 4,
+                                                                        where N // 4 = 0 stops the official code,
+                                                                        chunks of one sample)
 =========================  ===========================================  ==========================================
 The paper's full text could not be read here (its abstract: a Class Similarity-Aware Margin matrix "to enlarge
 class representation discrepancy" and a Self Distillation Classifier Calibration "with the assistance of
@@ -55,10 +80,13 @@ from ..core import LocalSteps, Message, Method, derive_seed, load_weights, weigh
 from ..core.personal import personal_net
 from ..core.retrain import local_features
 from ..decl import setting
+from ..errors import ConfigError
 from ..registry import METHODS
 
 PSEUDO = 0xC4AC  # seed purpose: the pseudo representations of a round
 REDUCTIONS = ("batchmean", "mean")
+CALIB_STARTS = ("aggregate", "previous")
+CALIB_CHUNKS = ("full", "official")
 
 
 def margin_logits(h: torch.Tensor, weight: torch.Tensor, margin: torch.Tensor, y: torch.Tensor,
@@ -74,20 +102,38 @@ def similarity_margin(means: torch.Tensor, mu: float) -> torch.Tensor:
     return mu * F.cosine_similarity(means[:, None, :], means[None, :, :], dim=2)
 
 
+def official_chunks(n: int) -> list[int]:
+    """The official calibration's chunk bounds over ``n`` samples: range(0, n, n // 4) + [n], chunks of n // 4
+    and a shorter last one (n >= 12: four chunks, and a fifth of the last n % 4 samples when n % 4 > 0; n < 4,
+    where the official code fails: chunks of one sample)."""
+    return list(range(0, n, max(1, n // 4))) + [n]
+
+
 def calibrate(weight: torch.Tensor, margin: torch.Tensor, feats: torch.Tensor, labels: torch.Tensor, steps: int,
-              lr: float, scale: float, alpha: float = 0.5, T: float = 0.5, reduction: str = "batchmean"
-              ) -> torch.Tensor:
+              lr: float, scale: float, alpha: float = 0.5, T: float = 0.5, reduction: str = "batchmean",
+              chunks: str = "full") -> torch.Tensor:
     """Self-distillation calibration: the classifier ``weight`` [C, d] trained for ``steps`` full-batch steps
     (SGD, momentum 0.9, Nesterov) on (1 - alpha) CE + alpha T^2 KL towards the frozen ``weight`` itself, both on
-    margin logits of the pseudo representations."""
+    margin logits of the pseudo representations. ``chunks``: ``full``, the loss is the mean over all of them;
+    ``official``, the sum over :func:`official_chunks` of each chunk's mean, divided by 4 (the official code
+    accumulates the chunks' gradients and takes one step: the same step)."""
+    if chunks not in CALIB_CHUNKS:
+        raise ConfigError(f"fedcrac calibration chunks must be one of {', '.join(CALIB_CHUNKS)}, not {chunks!r}")
     W = weight.detach().clone().requires_grad_(True)
     opt = torch.optim.SGD([W], lr=lr, momentum=0.9, nesterov=True)
     with torch.no_grad():
         teacher = F.softmax(margin_logits(feats, weight, margin, labels, scale) / T, 1)
+    bounds = official_chunks(feats.shape[0])
     for _ in range(steps):
         out = margin_logits(feats, W, margin, labels, scale)
-        kd = F.kl_div(F.log_softmax(out / T, 1), teacher, reduction=reduction)
-        loss = alpha * T * T * kd + (1 - alpha) * F.cross_entropy(out, labels)
+        if chunks == "full":
+            kd = F.kl_div(F.log_softmax(out / T, 1), teacher, reduction=reduction)
+            loss = alpha * T * T * kd + (1 - alpha) * F.cross_entropy(out, labels)
+        else:
+            loss = 0.0
+            for a, b in zip(bounds, bounds[1:]):
+                kd = F.kl_div(F.log_softmax(out[a:b] / T, 1), teacher[a:b], reduction=reduction)
+                loss = loss + (alpha * T * T * kd + (1 - alpha) * F.cross_entropy(out[a:b], labels[a:b])) / 4
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -111,6 +157,12 @@ class FedCRAC(Method):
         kd_T: float = setting(0.5, "its temperature", low=0, low_open=True)
         kd_reduction: str = setting("batchmean", "batchmean | mean (official F.kl_div default: over batch x classes)",
                                     choices=REDUCTIONS)
+        calib_start: str = setting("aggregate", "the calibration's student and teacher start from: aggregate (the "
+                                   "clients' averaged classifier) | previous (official: the classifier broadcast "
+                                   "this round; the averaged one is discarded)", choices=CALIB_STARTS)
+        calib_chunks: str = setting("full", "calibration loss per step: full (one full-batch mean) | official (the "
+                                    "sum over the chunks range(0, N, N // 4) + [N] of each chunk's mean, / 4)",
+                                    choices=CALIB_CHUNKS)
 
     def new_model(self):
         m = super().new_model()
@@ -132,6 +184,7 @@ class FedCRAC(Method):
     def aggregate(self, state, rnd, replies):
         p = self.p
         keys = list(state["weights"])
+        previous = state["weights"]["head.weight"]  # the classifier broadcast this round
         state["weights"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
         a = [r.arrays for _, r in replies]
         n = torch.stack([x["fedcrac.count"] for x in a])  # [K, C]
@@ -150,12 +203,14 @@ class FedCRAC(Method):
                 eps = torch.randn(k, state["mean"].shape[1], generator=gen, device="cpu").to(self.spec.device)
                 feats.append(state["mean"][c] + eps * state["var"][c].clamp_min(0).sqrt())
                 labels.append(torch.full((k,), c, dtype=torch.long, device=self.spec.device))
+        head = previous.clone() if p.calib_start == "previous" else state["weights"]["head.weight"]
         if feats:
             with torch.enable_grad():
-                state["weights"]["head.weight"] = calibrate(
-                    state["weights"]["head.weight"], state["margin"], torch.cat(feats), torch.cat(labels),
+                head = calibrate(
+                    head, state["margin"], torch.cat(feats), torch.cat(labels),
                     p.crt_epochs, self.spec.lr_at(rnd) if p.crt_lr is None else float(p.crt_lr), p.scale, p.kd_alpha, p.kd_T,
-                    p.kd_reduction)
+                    p.kd_reduction, p.calib_chunks)
+        state["weights"]["head.weight"] = head
         return state
 
     # ------------------------------------------------------------------ client

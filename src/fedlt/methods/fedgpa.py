@@ -36,7 +36,12 @@ gradient of the loss     that of L as written: w (sigmoid(z) - t)/B   the statis
 and the statistics       (``double_weight=false``)                    the logits' gradient by w *in place*, so
                                                                       training and statistics see
                                                                       w^2 (sigmoid(z) - t) / B
-                                                                      (``double_weight=true``)
+                                                                      (``double_weight=true``); the loss's value
+                                                                      stays sum(w BCE) / B, and so does the
+                                                                      logged loss here under either option
+round 0's classifier     every client starts from the same seeded     each client trains a head of its own, a
+                         head                                         different random nn.Linear, until the
+                                                                      first aggregate; not reproduced
 clients per round        the run's participation                      every client trains every round; the
                                                                       n_k weights are those of a random
                                                                       permutation of the clients (an index
@@ -74,19 +79,23 @@ def gpa_weights(ratio: torch.Tensor, varphi: float, sigma: float, mu: float) -> 
 def gpa_loss(z: torch.Tensor, y: torch.Tensor, stats: dict, varphi: float, sigma: float, mu: float,
              double_weight: bool = False) -> torch.Tensor:
     """The GPA loss of logits ``z`` [B, C]; updates ``stats`` ({pos, neg, ratio}, [C] each) in place with this
-    step's gradient magnitudes (``double_weight``: the official hook's squared weights)."""
+    step's gradient magnitudes (``double_weight``: the official hook's squared weights, in the gradient and the
+    statistics only: the value returned is still sum(w BCE) / B, as the official loss reports it)."""
     t = F.one_hot(y, z.shape[1]).to(z.dtype)
     pos_w, neg_w = gpa_weights(stats["ratio"], varphi, sigma, mu)
-    w = pos_w * t + neg_w * (1 - t)
-    if double_weight:
-        w = w * w
+    w1 = pos_w * t + neg_w * (1 - t)
+    w = w1 * w1 if double_weight else w1
     B = z.shape[0]
     with torch.no_grad():
         g = (w * (torch.sigmoid(z) - t)).abs() / B
         stats["pos"].add_((g * t).sum(0))
         stats["neg"].add_((g * (1 - t)).sum(0))
         stats["ratio"].copy_(stats["pos"] / (stats["neg"] + 1e-10))
-    return (w * F.binary_cross_entropy_with_logits(z, t, reduction="none")).sum() / B
+    bce = F.binary_cross_entropy_with_logits(z, t, reduction="none")
+    loss = (w * bce).sum() / B
+    if double_weight:  # value sum(w BCE) / B (exactly: loss - loss is 0), gradient that of sum(w^2 BCE) / B
+        loss = loss - loss.detach() + ((w1 * bce).sum() / B).detach()
+    return loss
 
 
 @METHODS.register("fedgpa")
