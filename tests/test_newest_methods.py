@@ -5,6 +5,7 @@ checked for every registered method by test_experiments, test_batched, test_devi
 are shared through a module-scoped fixture."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,10 +167,19 @@ def test_gbme_expert_rounds_train_and_average_one_expert_per_client():
 
 
 def test_gbme_balanced_experts_lift_the_few_classes_above_fedavg(trained):
-    _, ref = trained("fedavg", run={"rounds": 16})
-    sim, final = trained("gbme", run={"rounds": 16})
-    assert gm(final)["few"] > gm(ref)["few"] and gm(final)["acc"] > 0.5
-    assert bool(sim.state["known"].all())  # every client's proxy was read
+    """At s = 10: on 8x8 digits smallcnn's features start at a norm of about 1.6, where s = 30 makes the first local
+    epoch overshoot and the global model collapse to one class on every CPU kernel (gbme's docstring, "Stability").
+    Seeds 0 and 1, 16 rounds (seen on the AVX-512, AVX2 and default kernels: GBME few 0.79-0.85 a seed where
+    FedAvg has 0.60 and 0.54, GM 0.88-0.91 against 0.85 and 0.81)."""
+    few, ref_few, acc = [], [], []
+    for seed in (0, 1):
+        _, ref = trained("fedavg", run={"rounds": 16, "seed": seed})
+        sim, final = trained("gbme", run={"rounds": 16, "seed": seed}, scale=10.0)
+        assert bool(sim.state["known"].all())  # every client's proxy was read
+        few.append(gm(final)["few"])
+        ref_few.append(gm(ref)["few"])
+        acc.append(gm(final)["acc"])
+    assert np.mean(few) > np.mean(ref_few) + 0.1 and np.mean(acc) > 0.75
 
 
 # ------------------------------------------------------------------------------------------------ FedCRAC

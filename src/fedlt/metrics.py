@@ -42,12 +42,15 @@ def shot_split(counts, mode: str = "fedloge", cuts=(0.75, 0.95), thresholds=(100
 
 
 def report(pred: torch.Tensor, y: torch.Tensor, num_classes: int, split: dict[str, np.ndarray]) -> dict:
-    """Accuracy, per-class accuracy and group accuracies (correct / total within each group)."""
+    """Accuracy, per-class accuracy and group accuracies (correct / total within each group); ``collapsed``, the
+    class, only where the model predicts one class for every sample of a test set that holds several."""
     pred, y = pred.cpu(), y.cpu()
     correct = torch.bincount(y[pred == y], minlength=num_classes).numpy()
     total = torch.bincount(y, minlength=num_classes).numpy()
     out = {"acc": float(correct.sum() / max(total.sum(), 1)),
            "per_class": [float(c / t) if t else None for c, t in zip(correct, total)]}
+    if num_classes > 1 and int((total > 0).sum()) > 1 and bool((pred == pred[0]).all()):
+        out["collapsed"] = int(pred[0])  # one class predicted for every sample of a test set holding several
     for g in GROUPS:
         cls = split[g]
         t = total[cls].sum() if len(cls) else 0

@@ -370,6 +370,7 @@ class Driver:
             ev["missing"] = sorted(why)
             self.note_missing(tag, why)
         ev["eval_clients"] = {"sampled": len(clients), "of": self.num_clients}
+        self.say_collapsed(tag, ev)
         note = pm_note(ev, len(clients), self.num_clients, len(why))
         if note:
             ev["pm_note"] = note
@@ -378,6 +379,18 @@ class Driver:
                 self.echo(f"note: {note}")
         ev["eval_time"] = time.perf_counter() - t0
         return ev
+
+    def say_collapsed(self, tag: str, ev: dict) -> None:
+        """One line, once per run, when a global model predicts one class for every balanced test sample: a run
+        that has collapsed (diverged without a non-finite loss) says so, whatever the method."""
+        for mode, rep in ev.get("global", {}).items():
+            if "collapsed" in rep and "collapsed" not in self.said:
+                self.said.add("collapsed")
+                lr = self.cfg.lr(self.round) if self.cfg.lr is not None else None
+                self.echo(f"warning: {tag} of {self.method.name}: the global model ({mode}) predicts class "
+                          f"{rep['collapsed']} for every test sample: training has collapsed to one class"
+                          + (f" (a smaller --lr than {lr:g} may avoid it; the method's page names its own "
+                             f"stability settings)" if lr else ""))
 
     def run(self) -> dict:
         cfg = self.cfg
