@@ -45,13 +45,22 @@ def _accs(ev: dict) -> dict:
     return {side: {mode: r["acc"] for mode, r in ev[side].items()} for side in ("global", "personal")}
 
 
-def _assert_same_run(a: Simulation, fa: dict, b: Simulation, fb: dict) -> None:
+# Batched and sequential steps run other kernels, so they round differently, and a rounding difference that flips
+# a ReLU or a max-pool tie becomes a step: with torch's AVX2 kernels FedFocal's global weights agree to 1.7e-8 after
+# round 1 and 2.5e-4 after round 2 (every other case within 3e-6 on the AVX-512, AVX2 and default kernels). A
+# wrong batched step differs by orders of magnitude more, and the rounds' mean training losses keep the tight
+# bound (1e-5; 1.6e-6 there).
+WEIGHTS_ATOL = 1e-3
+ACC_ATOL = 1e-2  # what one flipped prediction moves in a client's small test set
+
+
+def _assert_same_run(a: Simulation, fa: dict, b: Simulation, fb: dict, atol: float = WEIGHTS_ATOL) -> None:
     for k, v in a.state["weights"].items():
-        assert torch.allclose(v.float(), b.state["weights"][k].float(), atol=1e-5, rtol=0), k
+        assert torch.allclose(v.float(), b.state["weights"][k].float(), atol=atol, rtol=0), k
     for cid, cs in a.client_states.items():
         for k, v in cs.items():
             if isinstance(v, torch.Tensor):
-                assert torch.allclose(v.float(), b.client_states[cid][k].float(), atol=1e-5, rtol=0), (cid, k)
+                assert torch.allclose(v.float(), b.client_states[cid][k].float(), atol=atol, rtol=0), (cid, k)
     for ra, rb in zip(a.history, b.history):  # the clients' mean training loss of each round
         if ra.get("train_loss") is not None:
             assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-5, (ra["round"], ra["train_loss"], rb["train_loss"])
@@ -59,7 +68,7 @@ def _assert_same_run(a: Simulation, fa: dict, b: Simulation, fb: dict) -> None:
     for side in aa:
         assert aa[side].keys() == bb[side].keys()
         for mode in aa[side]:
-            assert abs(aa[side][mode] - bb[side][mode]) <= 1e-4, (side, mode)
+            assert abs(aa[side][mode] - bb[side][mode]) <= ACC_ATOL, (side, mode)
 
 
 @pytest.mark.parametrize("method,over", CASES, ids=[f"{m}-{'-'.join(o) or 'default'}" for m, o in CASES])

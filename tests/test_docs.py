@@ -16,7 +16,8 @@ How a fenced block is run, by its info string:
   must be one of the output's, ``...`` standing for lines left out; a line without digits verbatim; a line with
   numbers in the same words and layout, its numbers within 2 % or 0.5 of the printed ones (whichever is larger;
   times -- a number followed by ``s``, ``ms`` or ``min`` -- are free), and any number where the test shortened the
-  command);
+  command or where torch runs its plain CPU kernels, not the AVX2 / AVX-512 ones the pages were printed with
+  (``PAGE_KERNELS``);
 - other ``text`` blocks (listings, transcripts): their ``fedlt`` command lines are parsed.
 
 Shortening (:func:`shorten`, pages named in ``SHORTEN``): every ``fedlt run``/``compare`` line trains one round
@@ -41,9 +42,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import XDIST
 
 ROOT = Path(__file__).resolve().parents[1]
+# The pages' numbers were printed with torch's AVX2 / AVX-512 CPU kernels, and print within the tolerance rule with
+# either (ATEN_CPU_CAPABILITY=avx2 and avx512: every page passes). Torch's plain kernels (a CPU without AVX2, or
+# ATEN_CPU_CAPABILITY=default) round differently, and a short training run on digits lands elsewhere: GM 44.23
+# became 47.50, a few-shot 16.83 became 23.08. There a training command's numbers are not compared (its words and
+# layout still are), as for a shortened command.
+PAGE_KERNELS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 
 
@@ -242,7 +250,7 @@ def run_blocks(name: str, text: str, cwd: Path, env: dict[str, str], short: bool
             if last is None:
                 parse_check(where, code)  # a listing or transcript: its commands must exist
             else:
-                check_output(where, code, last, exact)
+                check_output(where, code, last, exact and PAGE_KERNELS)
                 last = None
         elif lang in ("", "text", "toml", "python") and not opts:
             last = None  # a listing, a code excerpt
