@@ -96,3 +96,35 @@ def test_a_planted_reference_is_found(tmp_path):
     (tmp_path / "src" / "m.py").write_text('"""Paper vs. official code (sxontheway/BalanceFL); docs/protocol.md."""\n')
     (tmp_path / "docs" / "tables.md").write_text("")
     assert dangling(tmp_path) == []
+
+
+def test_every_method_is_named_once_and_its_name_file_and_page_agree():
+    """A built-in method's name is its registration's (issue 42 item 3): its class sets no ``name`` of its own,
+    the class's ``name`` is the registered one, its file is named after it (``fedavg-bsm`` in bsm.py, ``dr`` beside
+    ``feddr+`` in feddr.py: one name contains the other, less punctuation), its generated page is titled with it
+    and names its class, and the README's method table lists it."""
+    import ast
+    import inspect
+
+    from fedlt.registry import METHODS
+
+    spec = importlib.util.spec_from_file_location("_fedlt_gen_reference", ROOT / "docs" / "gen_reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    readme = (ROOT / "README.md").read_text()
+    methods = hook._methods(ROOT)
+    assert len(methods) >= 45
+    for name, cls in methods:
+        assert cls.name == name, (name, cls.name)
+        source = Path(inspect.getsourcefile(cls))
+        assert source.parent == ROOT / "src" / "fedlt" / "methods", (name, source)
+        tree = ast.parse(source.read_text())
+        body = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__).body
+        second = [n.lineno for n in body if isinstance(n, (ast.Assign, ast.AnnAssign)) and
+                  any(getattr(t, "id", None) == "name" for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+        assert not second, f"{source.name}:{second[0]}: {name}'s class names itself; its registration does"
+        a, b = re.sub(r"\W|_", "", name), re.sub(r"\W|_", "", source.stem)
+        assert a in b or b in a, (name, source.name)
+        page = hook.method_page(name, cls)
+        assert page.startswith(f"# `{name}`") and f"{cls.__module__}.{cls.__qualname__}" in page
+        assert f"`{name}`" in readme, f"README.md's method table does not list {name}"

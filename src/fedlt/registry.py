@@ -58,11 +58,13 @@ def plugin_visible(ep) -> bool:
 
 
 class Registry:
-    def __init__(self, kind: str, group: str | None = None):
+    def __init__(self, kind: str, group: str | None = None, names: bool = False):
         """``group``: the entry-point group of plugins (None: none). ``base``: the class every plugin object
         must subclass, set by the package that defines it (``fedlt.methods`` sets ``Method``), so this module,
-        the bottom layer that everything registers with, imports nothing of fedlt but its errors."""
-        self.kind, self.group = kind, group
+        the bottom layer that everything registers with, imports nothing of fedlt but its errors. ``names``: a
+        class registered here is given its registered name as its ``name`` attribute (a method's name is written
+        once, in its registration)."""
+        self.kind, self.group, self.naming = kind, group, names
         self.base: type | None = None
         self._items: dict[str, Any] = {}
         self._origin: dict[str, str] = {}  # name -> where a non-built-in came from ("plugin ...", "file ...")
@@ -82,6 +84,12 @@ class Registry:
             if old is not None and old is not o and not same:
                 raise ValueError(f"{self.kind} {name!r} is already registered ({self.origin(name)}: "
                                  f"{old.__module__}.{getattr(old, '__qualname__', old)}); choose another name")
+            if self.naming and isinstance(o, type):
+                given = o.__dict__.get("name")
+                if given is not None and given != name:  # a plugin's class that also names itself otherwise
+                    raise ValueError(f"{self.kind} class {o.__qualname__} sets name = {given!r} but is registered "
+                                     f"as {name!r}; drop its name attribute (the registration names it)")
+                o.name = name
             self._items[name] = o
             if self._plugins is not None:
                 self._plugins.pop(name, None)  # an explicit registration wins over an entry point not loaded yet
@@ -259,7 +267,7 @@ class Registry:
         return name in self._items or name in (self._plugins or {}) or name in self._made
 
 
-METHODS = Registry("method", group="fedlt.methods")
+METHODS = Registry("method", group="fedlt.methods", names=True)
 DATASETS = Registry("dataset")
 MODELS = Registry("model")
 PARTITIONS = Registry("partition")

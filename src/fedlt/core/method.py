@@ -21,6 +21,8 @@ phase_aggregate(name, state, replies)   <==
 inference:
 global_model(state) -> Predictor | {mode: Predictor}
 eval_payload(state, cid)                ==>   personal_model(payload, cstate, data) -> Predictor | dict | None
+``rnd`` is the training round (1, 2, ...); the base phase_configure and eval_payload call configure with the named
+stages PHASE and EVALUATION instead (:class:`Stage`).
 """
 from __future__ import annotations
 
@@ -86,10 +88,28 @@ def derive_seed(*keys: int) -> int:
     return int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(2, np.uint64)[0] >> 1)
 
 
+class Stage(int):
+    """What :meth:`Method.configure`'s ``rnd`` is outside the training rounds (1, 2, ...): :data:`PHASE`, a
+    post-training phase's message, or :data:`EVALUATION`, an evaluation's. An int (-1, 0) for the methods that
+    compare round numbers (``rnd > warmup`` is false for both); test which with ``rnd is PHASE``."""
+
+    def __new__(cls, value: int, name: str):
+        self = super().__new__(cls, value)
+        self.name = name
+        return self
+
+    def __repr__(self) -> str:
+        return self.name.upper()
+
+
+PHASE = Stage(-1, "phase")
+EVALUATION = Stage(0, "evaluation")
+
+
 class Method:
     """Base class with FedAvg behaviour; a method overrides the hooks it changes.
 
-    Subclasses set ``name``, a ``Params`` dataclass of hyper-parameters (defaults as the paper, each field
+    Its name is its registration's (``@METHODS.register("name")`` sets ``name``). Subclasses set a ``Params`` dataclass of hyper-parameters (defaults as the paper, each field
     declared with :func:`fedlt.decl.setting`: its help, range or choices, None for "the variant's default";
     the base class checks every value against its declaration, so a method checks only what relates two
     parameters; a plain field with a comment still works), and
@@ -193,7 +213,7 @@ class Method:
 
     # ---------------------------------------------------------------- post-training phases
     def phase_configure(self, phase: str, state: dict, cid: int) -> Message:
-        return self.configure(state, -1, cid)
+        return self.configure(state, PHASE, cid)
 
     def phase_client(self, phase: str, payload: Message, cstate: dict, data, gen) -> tuple[Message, dict]:
         return Message(), cstate
@@ -207,7 +227,7 @@ class Method:
         return Predictor(m.backbone, m.head, shared_backbone=True)
 
     def eval_payload(self, state: dict, cid: int) -> Message:
-        return self.configure(state, 0, cid)
+        return self.configure(state, EVALUATION, cid)
 
     def personal_model(self, payload: Message, cstate: dict, data) -> Predictor | dict[str, Predictor] | None:
         """None: no personal model; PM is then the global model on the client's test set (labelled so)."""

@@ -90,7 +90,6 @@ def ki_loss(student: torch.Tensor, teacher: torch.Tensor, absent: torch.Tensor, 
 
 @METHODS.register("balancefl")
 class BalanceFL(Method):
-    name = "balancefl"
     fp16 = False  # a training loop of its own, without fp16's gradient scaler (bf16 and fp32 only)
 
     @dataclass

@@ -26,8 +26,6 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedavg-bsm")
 class FedAvgBSM(CountLoss, FedAvg):
-    name = "fedavg-bsm"
-
     @dataclass
     class Params:
         absent_count: float = setting(0.0, "count used for classes the client lacks (0: masked; 1: FedETF's clamp)",

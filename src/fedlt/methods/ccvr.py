@@ -45,7 +45,6 @@ HEAD = ("head.weight", "head.bias")
 
 @METHODS.register("ccvr")
 class CCVR(FedAvg):
-    name = "ccvr"
     phases = ("ccvr",)
 
     @dataclass

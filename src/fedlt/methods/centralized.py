@@ -33,7 +33,6 @@ POOL_TRAIN = 21  # purpose key of the server's training generator
 
 @METHODS.register("centralized")
 class Centralized(Method):
-    name = "centralized"
     needs_pool = True  # the run layer (rundir.prepare) sets self.pool = Federation.pooled()
 
     @dataclass

@@ -69,8 +69,6 @@ def dual_step(lam: torch.Tensor, losses: dict[int, float], dual_lr: float, epsil
 
 @METHODS.register("climb")
 class CLIMB(Method):
-    name = "climb"
-
     @dataclass
     class Params:
         dual_lr: float = setting(2.0, "eta_lambda (official MNIST/FMNIST; CIFAR-10: 0.1)", low=0)

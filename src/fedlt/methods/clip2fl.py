@@ -63,8 +63,6 @@ def kd_loss(z: torch.Tensor, teacher: torch.Tensor, T: float) -> torch.Tensor:
 
 @METHODS.register("clip2fl")
 class CLIP2FL(CReFF):
-    name = "clip2fl"
-
     @dataclass
     class Params(CReFF.Params):
         clip_weights: str = setting("", "safetensors file: a CLIP ViT image tower (OpenAI layout); required")

@@ -95,8 +95,6 @@ def match_features(feats: torch.Tensor, labels: torch.Tensor, weight: torch.Tens
 
 @METHODS.register("creff")
 class CReFF(Method):
-    name = "creff"
-
     @dataclass
     class Params:
         ipc: int = setting(100, "federated features per class (official num_of_feature)", low=1, limit=10**5)

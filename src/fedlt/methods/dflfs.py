@@ -106,7 +106,6 @@ def representatives(stats: torch.Tensor, k: int, gen: torch.Generator, sizes=Non
 
 @METHODS.register("dfl-fs")
 class DFLFS(Method):
-    name = "dfl-fs"
     phases = ("regenerate",)
 
     @dataclass

@@ -33,7 +33,6 @@ from .fedavg import FedAvg
 
 @METHODS.register("ditto")
 class Ditto(FedAvg):
-    name = "ditto"
     personalized = True
 
     @dataclass

@@ -29,8 +29,6 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedadam")
 class FedAdam(ServerOpt, FedAvg):
-    name = "fedadam"
-
     @dataclass
     class Params:
         server_lr: float = setting(0.01, "eta, the server's step size", low=0, low_open=True)

@@ -15,8 +15,6 @@ from ..registry import METHODS
 
 @METHODS.register("fedavg")
 class FedAvg(Method):
-    name = "fedavg"
-
     @dataclass
     class Params:
         pass

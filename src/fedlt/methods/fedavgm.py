@@ -37,8 +37,6 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedavgm")
 class FedAvgM(ServerOpt, FedAvg):
-    name = "fedavgm"
-
     @dataclass
     class Params:
         server_lr: float = setting(1.0, "eta_s, the server's step size", low=0, low_open=True)

@@ -33,7 +33,6 @@ from ..registry import METHODS
 
 @METHODS.register("fedbabu")
 class FedBABU(PartialSharing):
-    name = "fedbabu"
     phases = ("finetune",)
 
     @dataclass

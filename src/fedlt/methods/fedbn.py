@@ -30,8 +30,6 @@ from ..registry import METHODS
 
 @METHODS.register("fedbn")
 class FedBN(PartialSharing):
-    name = "fedbn"
-
     @dataclass
     class Params:
         pass

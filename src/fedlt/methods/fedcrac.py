@@ -142,8 +142,6 @@ def calibrate(weight: torch.Tensor, margin: torch.Tensor, feats: torch.Tensor, l
 
 @METHODS.register("fedcrac")
 class FedCRAC(Method):
-    name = "fedcrac"
-
     @dataclass
     class Params:
         mu: float = setting(1.0, "scale of the class-similarity margin matrix (official --mu)", low=0)

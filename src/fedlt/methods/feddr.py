@@ -66,7 +66,6 @@ def feddr_loss(h: torch.Tensor, h_g: torch.Tensor | None, V: torch.Tensor, y: to
 
 @METHODS.register("feddr+")
 class FedDrPlus(Method):
-    name = "feddr+"
     personalized = True
 
     @dataclass
@@ -152,8 +151,6 @@ class FedDrPlus(Method):
 class DotRegression(FedDrPlus):
     """Plain dot-regression with the frozen ETF (FedDr+ without feature distillation: beta = 1), and
     dot-regression FT (L_DR fine-tuning, App. D.2)."""
-
-    name = "dr"
 
     @dataclass
     class Params(FedDrPlus.Params):

@@ -40,8 +40,6 @@ from .fedavg import FedAvg
 
 @METHODS.register("feddyn")
 class FedDyn(ParamKeys, FedAvg):
-    name = "feddyn"
-
     @dataclass
     class Params:
         alpha: float = setting(0.01, "strength of the dynamic regulariser", low=0, low_open=True)

@@ -104,7 +104,6 @@ def frozen_feature_batches(body: nn.Module, data, batch_size: int):
 
 @METHODS.register("fedetf")
 class FedETF(Method):
-    name = "fedetf"
     personalized = True
 
     @dataclass

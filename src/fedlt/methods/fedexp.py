@@ -46,8 +46,6 @@ def fedexp_step_size(client_deltas: list[dict], mean_delta: dict, weights: list[
 
 @METHODS.register("fedexp")
 class FedExP(ParamKeys, FedAvg):
-    name = "fedexp"
-
     @dataclass
     class Params:
         eps: float = setting(1e-3, "epsilon of the step-size denominator", low=0)

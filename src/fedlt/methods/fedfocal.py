@@ -25,8 +25,6 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedfocal")
 class FedFocal(CountLoss, FedAvg):
-    name = "fedfocal"
-
     @dataclass
     class Params:
         gamma: float = setting(2.0, "focusing parameter (0: cross-entropy)", low=0)

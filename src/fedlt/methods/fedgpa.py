@@ -100,8 +100,6 @@ def gpa_loss(z: torch.Tensor, y: torch.Tensor, stats: dict, varphi: float, sigma
 
 @METHODS.register("fedgpa")
 class FedGPA(Method):
-    name = "fedgpa"
-
     @dataclass
     class Params:
         vit_weights: str = setting("", "safetensors file: a ViT in timm's layout (vit_base_patch16_224); required")

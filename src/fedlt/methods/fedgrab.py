@@ -99,8 +99,6 @@ class Balancer:
 
 @METHODS.register("fedgrab")
 class FedGraB(FedAvg):
-    name = "fedgrab"
-
     @dataclass
     class Params:
         dpa: str = setting("off", "off: every class is tail (released code) | norm: our reading of the paper's DPA",

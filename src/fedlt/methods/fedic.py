@@ -63,8 +63,6 @@ def highway(p: dict, feats: list[torch.Tensor], logits: list[torch.Tensor], ref_
 
 @METHODS.register("fedic")
 class FedIC(FedAvg):
-    name = "fedic"
-
     @dataclass
     class Params:
         aux_per_class: int = setting(100, "labelled server samples per class", low=1, limit=10**6)

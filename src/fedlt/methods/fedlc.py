@@ -53,8 +53,6 @@ def fedlc_loss(logits: torch.Tensor, y: torch.Tensor, counts, tau: float = 1.0, 
 
 @METHODS.register("fedlc")
 class FedLC(CountLoss, FedAvg):
-    name = "fedlc"
-
     @dataclass
     class Params:
         tau: float = setting(1.0, "calibration strength", low=0)

@@ -193,8 +193,6 @@ def update_centres(G: torch.Tensor | None, centres: list[torch.Tensor], held: li
 
 @METHODS.register("fedlf")
 class FedLF(Method):
-    name = "fedlf"
-
     @dataclass
     class Params:
         alpha: float = setting(0.25, "adaptive logit adjustment: scale alpha + (1 - alpha) n_c / max n (official "

@@ -113,7 +113,6 @@ def linear_head(weight: torch.Tensor, bias: torch.Tensor, present=None):
 
 @METHODS.register("fedloge")
 class FedLoGe(Method):
-    name = "fedloge"
     personalized = True
 
     @dataclass

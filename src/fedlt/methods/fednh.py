@@ -73,7 +73,6 @@ def smooth_prototypes(W: torch.Tensor, scaled: torch.Tensor, counts: torch.Tenso
 
 @METHODS.register("fednh")
 class FedNH(FedAvg):
-    name = "fednh"
     personalized = True
 
     @dataclass

@@ -39,8 +39,6 @@ from .fedavg import FedAvg
 
 @METHODS.register("fednova")
 class FedNova(ParamKeys, FedAvg):
-    name = "fednova"
-
     @dataclass
     class Params:
         normalize_momentum: bool = setting(True, "||a_i||_1 counts local momentum (paper, official); false: tau_i")

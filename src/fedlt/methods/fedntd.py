@@ -51,8 +51,6 @@ def ntd_loss(logits, teacher_logits, y, tau: float = 1.0, beta: float = 1.0) -> 
 
 @METHODS.register("fedntd")
 class FedNTD(FedAvg):
-    name = "fedntd"
-
     @dataclass
     class Params:
         tau: float = setting(1.0, "distillation temperature", low=0, low_open=True)

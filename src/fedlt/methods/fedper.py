@@ -21,7 +21,6 @@ from ..registry import METHODS
 
 @METHODS.register("fedper")
 class FedPer(PartialSharing):
-    name = "fedper"
     generic = False  # global_model is None
 
     @dataclass

@@ -18,8 +18,6 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedprox")
 class FedProx(FedAvg):
-    name = "fedprox"
-
     @dataclass
     class Params:
         mu: float = setting(0.01, "proximal coefficient (the paper tunes mu in {0.001, 0.01, 0.1, 1})", low=0)

@@ -41,8 +41,6 @@ from .fedper import FedPer
 class FedRep(FedPer):
     """FedPer's sharing (body averaged, head local, no GM) with FedRep's alternating local update."""
 
-    name = "fedrep"
-
     @dataclass
     class Params:
         head_epochs: int = setting(10, "local_ep - local_rep_ep in the official scripts", low=0, limit=10**4)

@@ -39,7 +39,6 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedrod")
 class FedRoD(FedAvg):
-    name = "fedrod"
     personalized = True
 
     @dataclass

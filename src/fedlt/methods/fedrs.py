@@ -68,8 +68,6 @@ def restricted_ce(h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y:
 
 @METHODS.register("fedrs")
 class FedRS(FedAvg):
-    name = "fedrs"
-
     @dataclass
     class Params:
         alpha: float = setting(0.5, "scale of the logits of the classes a client lacks (0: masked out, 1: FedAvg "

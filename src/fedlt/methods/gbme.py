@@ -140,8 +140,6 @@ def expert_groups(proxy: torch.Tensor, known: torch.Tensor, experts: int) -> dic
 
 @METHODS.register("gbme")
 class GBME(Method):
-    name = "gbme"
-
     @dataclass
     class Params:
         experts: int = setting(3, "E, classifier experts (official num_experts)", low=1, limit=10**4)

@@ -20,7 +20,6 @@ from ..registry import METHODS
 
 @METHODS.register("local")
 class Local(Method):
-    name = "local"
     personalized = True
     generic = False  # global_model is None
 

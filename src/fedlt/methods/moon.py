@@ -66,8 +66,6 @@ def model_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.
 
 @METHODS.register("moon")
 class MOON(FedAvg):
-    name = "moon"
-
     @dataclass
     class Params:
         mu: float = setting(5.0, "weight of the model-contrastive loss", low=0)

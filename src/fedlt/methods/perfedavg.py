@@ -67,7 +67,6 @@ def hessian_vector(model, params, v, x, y, delta: float) -> list[torch.Tensor]:
 
 @METHODS.register("perfedavg")
 class PerFedAvg(FedAvg):
-    name = "perfedavg"
     fp16 = False  # a training loop of its own, without fp16's gradient scaler (bf16 and fp32 only)
     personalized = True
 

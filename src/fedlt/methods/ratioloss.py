@@ -78,8 +78,6 @@ def ratio_weights(w_last: torch.Tensor, monitors: torch.Tensor, threshold: float
 
 @METHODS.register("ratioloss")
 class RatioLoss(Method):
-    name = "ratioloss"
-
     @dataclass
     class Params:
         aux_per_class: int = setting(32, "size of the server's auxiliary set per class", low=1, limit=10**6)

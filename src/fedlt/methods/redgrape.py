@@ -66,7 +66,6 @@ SUP_INIT = 101  # seed purpose: the supplementary classifier's initialisation
 
 @METHODS.register("redgrape")
 class RedGrape(Method):
-    name = "redgrape"
     fp16 = False  # a training loop of its own, without fp16's gradient scaler (bf16 and fp32 only)
 
     @dataclass

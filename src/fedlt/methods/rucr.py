@@ -86,7 +86,6 @@ def mixup_features(means: torch.Tensor, known: torch.Tensor, own: torch.Tensor, 
 
 @METHODS.register("rucr")
 class RUCR(FedAvg):
-    name = "rucr"
     phases = ("rucr-stats", "rucr-crt")
 
     @dataclass

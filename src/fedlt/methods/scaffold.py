@@ -49,8 +49,6 @@ C_DOWN, C_UP = "c/", "dc/"  # name prefixes of the control-variate arrays in mes
 
 @METHODS.register("scaffold")
 class Scaffold(ParamKeys, FedAvg):
-    name = "scaffold"
-
     @dataclass
     class Params:
         server_lr: float = setting(1.0, "eta_g, the server's step size", low=0, low_open=True)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core import Message, Predictor, load_weights, make_optimizer, train_local, weights_of
+from ..core import EVALUATION, Message, Predictor, load_weights, make_optimizer, train_local, weights_of
 from ..core.etf import fixed_classifier
 from ..decl import setting
 from ..errors import ConfigError
@@ -73,8 +73,6 @@ def solve_calibration(A: torch.Tensor, B: torch.Tensor, ridge: float = 0.0) -> t
 
 @METHODS.register("spherefed")
 class SphereFed(FedAvg):
-    name = "spherefed"
-
     @dataclass
     class Params:
         loss: str = setting("mse", "mse (paper, FedDr+ code) | ce", choices=("mse", "ce"))
@@ -173,4 +171,4 @@ class SphereFed(FedAvg):
         return modes
 
     def eval_payload(self, state, cid):
-        return self.configure(state, 0, cid)
+        return self.configure(state, EVALUATION, cid)
