@@ -202,3 +202,23 @@ def test_a_class_with_one_sample_gives_finite_gradients_under_the_option():
     reply, _ = m.local_train(m.configure(m.init_server(), 1, 0), {}, data, torch.Generator().manual_seed(1))
     assert all(torch.isfinite(v).all() for v in reply.arrays.values())
     assert all(torch.isfinite(torch.tensor(reply.meta[k])) for k in ("loss", "loss_distance", "loss_decorr"))
+
+
+def test_fedrs_proportional_scaling_is_fedrepos_fixed_one_not_its_first_uploads_decaying_one():
+    """Issue 41 item 2: fedlt's ``scaling=proportional`` is FedRepo's ``algorithms/fedrs.py`` as fixed (617ee01:
+    the scale computed from the counts at every step, the same every step), not its first upload (18eeb6d: the
+    scaled vector written back into ``dist`` at each step, so the restriction decays towards 1 within a round)."""
+    from fedlt.methods.fedrs import restricted_scale
+
+    counts, alpha = torch.tensor([40.0, 10.0, 0.0, 5.0]), 0.5
+    ours = restricted_scale(counts, alpha, "proportional")
+    fixed = []  # 617ee01: cdist = dist / dist.max(); cdist = cdist * (1 - alpha) + alpha, from the counts each step
+    decaying, dist = [], counts.clone()  # 18eeb6d: dist = dist / dist.max(); dist = dist * (1 - alpha) + alpha
+    for _ in range(5):
+        fixed.append((counts / counts.max()) * (1 - alpha) + alpha)
+        dist = dist / dist.max()
+        dist = dist * (1 - alpha) + alpha
+        decaying.append(dist.clone())
+    assert all(torch.allclose(ours, f) for f in fixed)
+    assert torch.allclose(ours, decaying[0]) and not torch.allclose(ours, decaying[-1])
+    assert (decaying[-1] > ours)[1:].all() and decaying[-1].min() > 0.95  # towards the plain softmax
