@@ -67,6 +67,8 @@ from ..safefile import load_tree, save_tree
 __all__ = [
     "KINDS",
     "VARIANTS",
+    "SSE_STEPS",
+    "SSE_LR",
     "FORMAT_VERSION",
     "simplex_etf",
     "random_mask",
@@ -87,6 +89,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "paper": {"gamma": 1.0, "basis": "gaussian", "rounding": "round"},
     "official": {"gamma": 0.1, "basis": "uniform", "rounding": "floor"},
 }
+# the SSE-C optimisation's defaults (FedLoGe Sec. 3.2 and the official code: Adam, 10,000 full-batch steps at lr
+# 1e-4): the one place they are written; fedlt.methods.fedloge's sse_steps / sse_lr default to them
+SSE_STEPS = 10_000
+SSE_LR = 1e-4
 OPTIMIZERS = ("adam", "sgd")
 BASES = ("gaussian", "uniform")
 COS_CLAMP = 0.99999
@@ -236,8 +242,8 @@ def refine_fixed_classifier(
     W: torch.Tensor,
     mask: torch.Tensor | None = None,
     gamma: float = 1.0,
-    steps: int = 10_000,
-    lr: float = 1e-4,
+    steps: int = SSE_STEPS,
+    lr: float = SSE_LR,
     optimizer: str = "adam",
     dtype: torch.dtype = torch.float32,
     log_every: int = 0,
@@ -309,8 +315,8 @@ def sparse_etf(
     C: int,
     beta: float = 0.6,
     gamma: float | None = None,
-    steps: int = 10_000,
-    lr: float = 1e-4,
+    steps: int = SSE_STEPS,
+    lr: float = SSE_LR,
     seed: int = 0,
     optimizer: str = "adam",
     variant: str = "paper",
@@ -376,7 +382,7 @@ def resolve_spec(kind: str, d: int, C: int, beta: float | None = None, seed: int
     """Every setting that determines the matrix, with defaults filled in (the cache key hashes this).
 
     Options: ``variant`` ("paper"/"official"), ``gamma``, ``basis`` (ETF kinds only), ``refine`` (run the
-    SSE-C optimisation; default True for "sse-c", False otherwise), ``steps`` (10,000), ``lr`` (1e-4),
+    SSE-C optimisation; default True for "sse-c", False otherwise), ``steps`` (``SSE_STEPS``), ``lr`` (``SSE_LR``),
     ``optimizer`` ("adam"/"sgd"). ``beta`` defaults to 0.6 for "sse-c" and 0 (dense) for the others.
     """
     if kind not in KINDS:
@@ -418,8 +424,8 @@ def resolve_spec(kind: str, d: int, C: int, beta: float | None = None, seed: int
             raise ConfigError(f"unknown optimizer {opt!r} for the fixed classifier; choose one of: {', '.join(OPTIMIZERS)}")
         spec.update(
             gamma=float(opts["gamma"]) if opts.get("gamma") is not None else float(v["gamma"]),
-            steps=int(opts.get("steps", 10_000)),
-            lr=float(opts.get("lr", 1e-4)),
+            steps=int(opts.get("steps", SSE_STEPS)),
+            lr=float(opts.get("lr", SSE_LR)),
             optimizer=opt,
         )
     else:

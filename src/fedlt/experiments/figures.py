@@ -32,10 +32,20 @@ from ..runstate import head_like, load_final_state  # noqa: E402
 
 STYLES = ("-o", "--s", "-.^", ":D", "-v", "--P", "-.X", ":*")  # overlapping methods stay distinguishable
 HEATMAP_CLIENTS = 100  # rows of the partition figure
+DPI = 110  # every figure's resolution
 
 
 def _safe(label: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_.+=" else "_" for ch in label)
+
+
+def _save(fig, out: Path, kind: str, setting: str) -> str:
+    """Lay out, write ``<out>/<kind>_<setting>.png`` and close a figure; returns the file's path."""
+    fig.tight_layout()
+    path = out / f"{kind}_{_safe(setting)}.png"
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return str(path)
 
 
 def _finished(runs, setting):
@@ -117,11 +127,8 @@ def curves(rs, methods, setting, out: Path):
     n = len({r.seed for r in rs})
     fig.suptitle(f"{setting}: accuracy per evaluated round (mean over {n} seed{'s' * (n > 1)}"
                  f"{', band: ±1 std' if n > 1 else ''})")
-    fig.tight_layout()
-    path = out / f"curves_{_safe(setting)}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return (f"Accuracy per round: {setting}", str(path),
+    path = _save(fig, out, "curves", setting)
+    return (f"Accuracy per round: {setting}", path,
             "GM and PM at every evaluated round, one line per method (mean over seeds; band ±1 std), in the "
             "method's first inference mode [in brackets where it has several]. A star marks the final evaluation "
             "of a method with post-training phases, in its first mode after them.")
@@ -178,11 +185,8 @@ def per_class(rs, methods, setting, out: Path):
     ax.legend(fontsize=8)
     ax.set_title(f"{setting}\nper-class GM accuracy vs. class size (final evaluation, mean over seeds)",
                  fontsize=10)
-    fig.tight_layout()
-    path = out / f"per_class_{_safe(setting)}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return (f"Per-class accuracy vs. training count: {setting}", str(path),
+    path = _save(fig, out, "per_class", setting)
+    return (f"Per-class accuracy vs. training count: {setting}", path,
             "Each point is one class: its test accuracy under the global model (first global mode, final "
             "evaluation) against how many training samples it has; head classes on the right, tail on the left.")
 
@@ -257,11 +261,8 @@ def head_norms(rs, methods, setting, out: Path):
         ax.set_ylabel("row norm ||w_c||")
         ax.grid(alpha=0.3)
     fig.suptitle(f"{setting}: classifier row norms per class (seed {seed})")
-    fig.tight_layout()
-    path = out / f"head_norms_{_safe(setting)}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return (f"Classifier row norms vs. class count: {setting}", str(path),
+    path = _save(fig, out, "head_norms", setting)
+    return (f"Classifier row norms vs. class count: {setting}", path,
             "The L2 norm of each class's row of every classifier-like weight (first dimension = number of "
             "classes) in the final server state (solid), before the post-training phases where that differs "
             "(dashed), and in the largest client's own state (right), against the class's training count.")
@@ -290,11 +291,8 @@ def partition_heatmap(rs, methods, setting, out: Path):
     cb = fig.colorbar(im, ax=ax)
     cb.set_label("log(1 + samples)")
     ax.set_title(f"{setting}: training samples per client and class (seed {r.seed})")
-    fig.tight_layout()
-    path = out / f"partition_{_safe(setting)}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = _save(fig, out, "partition", setting)
     sampled = "" if n == K else f" {n} of the {K:,} clients are drawn (a sample seeded by the run's seed)."
-    return (f"Partition: {setting}", str(path),
+    return (f"Partition: {setting}", path,
             "Client-by-class training counts (every method of this setting and seed trains on exactly this "
             f"partition); color on a log scale, numbers are counts.{sampled}")

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from ..errors import ConfigError, DataError
 from ..papers import Table, tables
+from ..preempt import DEFAULT_CHECKPOINT_EVERY
 from ..engine.driver import clients_per_round
 from .report import METRIC_TEXT
 from .sweep import DATA_FIELDS, LABEL, Sweep
@@ -111,7 +112,8 @@ def _shrink_milestones(milestones: str, old: int, new: int) -> str:
 def plan_reproduction(name: str, *, methods: list[str] | None = None, settings: list[str] | None = None,
                       seeds: list[int] | None = None, rounds: float | int | None = None, out: str | None = None,
                       device: str | None = None, data_dir: str | None = None, tracker=None,
-                      overrides: dict[str, Any] | None = None, checkpoint_every: int = 1) -> Reproduction:
+                      overrides: dict[str, Any] | None = None,
+                      checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> Reproduction:
     """The sweep of table ``name`` (its methods and settings, or the selected ones); every run's settings are
     checked here, so bad input fails before anything is written."""
     from ..config import FIELDS, load_config

@@ -44,6 +44,7 @@ from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split,
 from ..plugins import method_class
 from .client_app import global_state_records, job_text
 from .records import control, from_records, load_client_state, save_client_state, state_tag, to_records
+from .settings import FLOWER_DEFAULTS
 
 
 RESTART_LOOK = 2.0  # s between a round's looks for restarted SuperNodes (FedltStrategy.exchange)
@@ -53,8 +54,10 @@ class FedltStrategy(Strategy):
     """Server side of a fedlt run on Flower. ``state`` is the method's server state; nothing about a
     specific method is known here."""
 
-    def __init__(self, cfg: RunConfig, round_timeout: float = 600.0, wait_timeout: float = 300.0,
-                 poll_interval: float = 0.5, echo: Callable[[str], None] = print, progress: bool = False):
+    def __init__(self, cfg: RunConfig, round_timeout: float = FLOWER_DEFAULTS["round-timeout"],
+                 wait_timeout: float = FLOWER_DEFAULTS["wait-timeout"],
+                 poll_interval: float = FLOWER_DEFAULTS["poll-interval"], echo: Callable[[str], None] = print,
+                 progress: bool = False):
         self.cfg, self.round_timeout, self.wait_timeout = cfg, float(round_timeout), float(wait_timeout)
         self.poll_interval, self.echo = float(poll_interval), echo
         ds = load_dataset(cfg.dataset, cfg.data_dir, **cfg.dataset_kw())

@@ -81,7 +81,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import LocalSteps, Message, Meter, Method, Predictor, Train, derive_seed, load_weights
-from ..core.etf import KINDS, cached_fixed_classifier, etf_report
+from ..core.etf import KINDS, SSE_LR, SSE_STEPS, cached_fixed_classifier, etf_report
 from ..core.losses import linear_heads_ce, masked_logits
 from ..core.personal import personal_net
 from ..decl import setting
@@ -128,8 +128,9 @@ class FedLoGe(Method):
                                       low_open=True)
         sse_variant: str = setting("paper", "paper | official (gamma 0.1, U[0,1) basis, floor rounding)",
                                    choices=("paper", "official"))
-        sse_steps: int = setting(10_000, "Adam steps of the SSE-C construction (official: 10,000)", low=0, limit=10**6)
-        sse_lr: float = setting(1e-4, "its learning rate (official: 1e-4)", low=0, low_open=True)
+        sse_steps: int = setting(SSE_STEPS, "Adam steps of the SSE-C construction (official: 10,000)", low=0,
+                                 limit=10**6)
+        sse_lr: float = setting(SSE_LR, "its learning rate (official: 1e-4)", low=0, low_open=True)
         fixed_bias: bool = setting(False, "official code: a frozen random bias U(-1/sqrt(d), 1/sqrt(d)) on the SSE-C")
         send_fixed: bool = setting(False, "ship the matrix once per client instead of deriving it from the seed")
         # stage 1: optimisers (backbone: the run's lr/momentum; re-created every round, like the official code)
