@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,49 @@ class Dataset:
     @property
     def in_shape(self) -> tuple[int, int, int]:
         return self.input_shape or tuple(self.x_train.shape[1:])  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a dataset loader declares about its data, beyond the arrays (:func:`capable`), read by the settings
+    it decides: a capability a loader does not declare is False."""
+
+    native_lt: bool = False  # long-tailed as published: its default --lt-profile is none, exp/step are refused
+    natural_groups: bool = False  # its samples come with their users: --partition natural splits by them
+    image_size: bool = False  # resizes its images: --image-size applies
+    per_class: bool = False  # generated with n_per_class samples a class: --synthetic-per-class applies
+
+
+CAPABILITIES = tuple(f.name for f in fields(Capabilities))
+
+
+def capable(**declared: bool):
+    """Declare a loader's :class:`Capabilities` beside its registration, as a partition declares the settings it
+    reads::
+
+        @DATASETS.register("femnist")
+        @capable(native_lt=True, natural_groups=True)
+        def load_femnist(data_dir=None, **_): ...
+    """
+    unknown = sorted(set(declared) - set(CAPABILITIES))
+    if unknown:
+        raise TypeError(f"unknown dataset capabilit{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}; "
+                        f"choose from {', '.join(CAPABILITIES)}")
+
+    def deco(fn):
+        fn.capabilities = Capabilities(**declared)
+        return fn
+
+    return deco
+
+
+def capabilities_of(loader) -> Capabilities:
+    """A loader's declared capabilities; a loader of fedlt 0.1 style that set them as its own attributes
+    (``load.native_lt = True``) is read the same way."""
+    caps = getattr(loader, "capabilities", None)
+    if isinstance(caps, Capabilities):
+        return caps
+    return Capabilities(**{n: bool(getattr(loader, n, False)) for n in CAPABILITIES})
 
 
 def default_data_home() -> Path:

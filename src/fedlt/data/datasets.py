@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ConfigError, DataError
 from ..registry import DATASETS
-from .base import Dataset, NumpyUnpickler, candidate_dirs, first_complete
+from .base import Dataset, NumpyUnpickler, candidate_dirs, capable, first_complete
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -180,6 +180,7 @@ def load_digits(data_dir: str | None = None, seed: int = 0, test_fraction: float
 
 
 @DATASETS.register("synthetic")
+@capable(per_class=True)
 def load_synthetic(data_dir: str | None = None, num_classes: int = 10, n_per_class: int = 600,
                    n_test_per_class: int = 100, dim: int = 64, noise: float = 1.0, **_) -> Dataset:
     """A Gaussian mixture in R^dim, shaped as 1 x 8 x 8 'images' so every model takes it. For tests."""
@@ -202,7 +203,6 @@ def load_synthetic(data_dir: str | None = None, num_classes: int = 10, n_per_cla
                    num_classes=num_classes, default_model="mlp", source="generated (a Gaussian mixture)")
 
 
-load_synthetic.per_class = True  # --synthetic-per-class sets its n_per_class
 
 
 _CACHE: dict[tuple, Dataset] = {}

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..registry import DATASETS
-from .base import Dataset, candidate_dirs, first_complete
+from .base import Dataset, candidate_dirs, capable, first_complete
 from .store import Cache, key_of, require_pillow
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -144,6 +144,7 @@ def read_split_list(path: Path, root: Path, max_classes: int) -> tuple[list[str]
 
 
 @DATASETS.register("imagenet-lt")
+@capable(native_lt=True, image_size=True)
 def load_imagenet_lt(data_dir: str | None = None, image_size: int = 224, **_) -> Dataset:
     """ImageNet-LT (Liu et al. 2019): 1,000 classes, 5-1,280 train images each; JPEGs + ImageNet_LT_*.txt lists.
 
@@ -163,8 +164,6 @@ def load_imagenet_lt(data_dir: str | None = None, image_size: int = 224, **_) ->
     return _image_dataset("imagenet-lt", cache, num_classes, image_size, source=str(root))
 
 
-load_imagenet_lt.native_lt = True
-load_imagenet_lt.image_size = True
 
 
 def _read_csv(path: Path, need: list[str]) -> list[tuple[int, dict]]:
@@ -179,6 +178,7 @@ def _read_csv(path: Path, need: list[str]) -> list[tuple[int, dict]]:
 
 
 @DATASETS.register("inat-user")
+@capable(native_lt=True, natural_groups=True, image_size=True)
 def load_inat_user(data_dir: str | None = None, image_size: int = 224, **_) -> Dataset:
     """iNaturalist-User (Hsu et al. 2020): iNat 2017 photos, clients = the users who took them; per-user CSV splits.
 
@@ -233,6 +233,3 @@ def load_inat_user(data_dir: str | None = None, image_size: int = 224, **_) -> D
                           source=str(root))
 
 
-load_inat_user.native_lt = True
-load_inat_user.natural_groups = True
-load_inat_user.image_size = True

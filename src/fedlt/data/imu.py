@@ -21,7 +21,7 @@ import torch
 
 from ..errors import DataError
 from ..registry import DATASETS
-from .base import Dataset, NumpyUnpickler, candidate_dirs, first_complete
+from .base import Dataset, NumpyUnpickler, candidate_dirs, capable, first_complete
 
 DATA_DIM, FRAMES, NUM_CLASSES = 9, 200, 8
 FILES = {"train": "aiot_train.npy", "test": "aiot_test.npy"}
@@ -65,6 +65,7 @@ def _split(path: Path, need_person: bool):
 
 
 @DATASETS.register("imu")
+@capable(native_lt=True, natural_groups=True)
 def load_imu(data_dir: str | None = None, **_) -> Dataset:
     """BalanceFL's IMU set: 8 activities of 30 people, 200 frames x 9 axes; aiot_train/test.npy (fetched by hand).
 
@@ -84,5 +85,3 @@ def load_imu(data_dir: str | None = None, **_) -> Dataset:
                    group_names=[str(u) for u in users], source=str(root))
 
 
-load_imu.native_lt = True
-load_imu.natural_groups = True

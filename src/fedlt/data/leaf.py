@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..registry import DATASETS
-from .base import Dataset, candidate_dirs
+from .base import Dataset, candidate_dirs, capable
 from .split import leaf_sample_split
 from .store import Cache, file_signature, key_of, require_pillow
 
@@ -76,6 +76,7 @@ def read_leaf_file(path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
 
 
 @DATASETS.register("femnist")
+@capable(native_lt=True, natural_groups=True)
 def load_femnist(data_dir: str | None = None, **_) -> Dataset:
     """FEMNIST (LEAF): 28x28 handwritten characters, 62 classes, ~3,500 writers; LEAF JSON (fedlt data fetch).
 
@@ -104,8 +105,6 @@ def load_femnist(data_dir: str | None = None, **_) -> Dataset:
                    group_names=names, source=str(root))
 
 
-load_femnist.native_lt = True
-load_femnist.natural_groups = True
 
 
 def _build_cache(cache: Cache, layout: dict[str, list[Path]]) -> None:

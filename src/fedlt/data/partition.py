@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..registry import DATASETS, PARTITIONS
+from .base import capabilities_of
 
 
 def reads(*names: str, **renamed: str):
@@ -289,7 +290,7 @@ def natural(labels, num_clients: int, num_classes: int, seed: int, groups=None, 
     sampling picks users at random too); clients keep the users' order in the dataset files and hold all
     of their user's samples."""
     if groups is None:
-        owned = ", ".join(n for n, d in DATASETS.items() if getattr(d, "natural_groups", False))
+        owned = ", ".join(n for n, d in DATASETS.items() if capabilities_of(d).natural_groups)
         raise ConfigError(f"partition natural needs a dataset whose samples have owners ({owned}); this one has none")
     groups = np.asarray(groups)
     users = np.unique(groups)

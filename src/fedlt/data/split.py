@@ -21,6 +21,7 @@ import numpy as np
 
 from ..decl import show
 from ..errors import ConfigError, DataError
+from .base import capabilities_of
 from .longtail import longtail_indices
 from .partition import partition
 
@@ -53,7 +54,7 @@ def default_lt_profile(dataset: str, partition_name: str, partition_file: str | 
     for partition files (the file says which samples are used)."""
     from ..registry import DATASETS
 
-    native = getattr(DATASETS.get(dataset), "native_lt", False)
+    native = capabilities_of(DATASETS.get(dataset)).native_lt
     return "none" if native or partition_name == "local-longtail" or partition_file else "exp"
 
 
@@ -63,7 +64,7 @@ def check_lt_settings(dataset: str, profile: str, partition_name: str, partition
 
     if profile == "none":
         return
-    if getattr(DATASETS.get(dataset), "native_lt", False) and profile in ("exp", "step"):
+    if capabilities_of(DATASETS.get(dataset)).native_lt and profile in ("exp", "step"):
         raise ConfigError(f"--lt-profile {profile} on {dataset}: {NATIVE_LT_HINT}")
     if partition_file:
         raise ConfigError(f"--lt-profile {profile} with --partition-file: the file decides which samples are used; "
