@@ -200,7 +200,34 @@ def settings_page(fedlt) -> str:
         flag = ", ".join(f"`{f}`" for f in r["flag"].split(", ")) if r["flag"] else "(TOML, Python)"
         out.append(f"| `{r['name']}` | {flag} | {r['type']} | {_cell(r['default'])} | {_cell(r['allowed'])} | "
                    f"{_cell(r['help'])} |")
-    return "\n".join(out + [""])
+    return "\n".join(out + relations_section(fedlt) + [""])
+
+
+def relations_section(fedlt) -> list[str]:
+    """The relations between settings (``fedlt.config.RELATIONS``, ``TIMING``), each with the example that breaks
+    it and the one line fedlt answers it with (computed here: the page cannot drift from the checks)."""
+    from fedlt.config import FAST_RUN, RELATIONS, TIMING, load_config
+    from fedlt.errors import ConfigError
+
+    out = ["", "## Relations between settings", "",
+           "Checked like the settings themselves, before anything is read or written: a setting that the "
+           "configuration would ignore is refused, not dropped, and a setting that needs another says which. "
+           "Each relation, a configuration that breaks it, and the one line `fedlt` then prints (exit status 2):",
+           "", "| relation | for example | fedlt says |", "| --- | --- | --- |"]
+    for r in [*RELATIONS, *TIMING]:
+        example, said = "", ""
+        if r.bad:
+            bad = r.bad[0]
+            example = " ".join(f"`--set {k}={v}`" if name == "params" else f"`--{name.replace('_', '-')}`"
+                               if v is True else f"`--{name.replace('_', '-')} {v}`"
+                               for name, val in bad.items()
+                               for k, v in (val.items() if name == "params" else [(name, val)]))
+            try:
+                load_config(None, {**FAST_RUN, **bad})
+            except ConfigError as e:
+                said = str(e)
+        out.append(f"| {_cell(r.text())} | {example} | {_cell(said)} |")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ API

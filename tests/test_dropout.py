@@ -212,8 +212,10 @@ def test_every_family_goes_through_a_round_without_replies_and_one_with_fewer(me
 
 
 def test_a_run_where_no_reply_ever_arrives_keeps_its_initial_model(tmp_path, capsys):
+    """A deadline that every client of this federation misses (0.01 simulated s: 10 samples at speed 1, where each
+    client holds more); --drop-rate 1, which could never train, is refused (test_declared_relations)."""
     code = cli_main(["run", "--dataset", "digits", "--rho", "10", "--clients", "4", "--rounds", "3", "--eval-every",
-                     "3", "--local-epochs", "1", "--model", "mlp", "--drop-rate", "1", "--threads", "1",
+                     "3", "--local-epochs", "1", "--model", "mlp", "--round-deadline", "0.01", "--threads", "1",
                      "--no-progress", "--out", str(tmp_path), "--name", "none"])
     out = capsys.readouterr().out
     assert code == 0
@@ -227,7 +229,8 @@ def test_a_run_where_no_reply_ever_arrives_keeps_its_initial_model(tmp_path, cap
 
     write_report(tmp_path, figures=False, echo=lambda *a: None)
     page = (tmp_path / "report" / "report.md").read_text()
-    assert "## Clients per round" in page and "| fedavg | 0 | 2.00 | 2.00 | 0.00 | 0 | 3 | - |" in page
+    row = "| fedavg | 0 | 2.00 | 2.00 | 0.00 | 0 | 3 | 0.0 |"  # simulated s: the deadline's, 3 x 0.01
+    assert "## Clients per round" in page and row in page
 
 
 # ---------------------------------------------------------------------------------------------- resume

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable
 from .config import RunConfig, load_config
 from .errors import ConfigError
 from .jsonutil import read_json, read_json_lines
+from .preempt import DEFAULT_CHECKPOINT_EVERY
 
 Echo = Callable[[str], None]
 METRICS = ("GM", "many", "medium", "few", "PM")
@@ -292,7 +293,7 @@ def run(config: RunConfig | Mapping | str | os.PathLike | None = None, /, *, pro
 
         check_resumable(rundir.run_dir_for(cfg))
     if checkpoint_every is None:
-        from .preempt import DEFAULT_CHECKPOINT_EVERY as checkpoint_every
+        checkpoint_every = DEFAULT_CHECKPOINT_EVERY
     if checkpoint_every < 0:
         raise ConfigError(f"checkpoint-every must be >= 0, got {checkpoint_every}")
     summary = rundir.run(cfg, progress=progress, echo=echo or _quiet, checkpoint_every=checkpoint_every,
@@ -308,8 +309,9 @@ def _method_list(methods: str | Iterable[str]) -> list[str]:
 
 def compare(methods: str | Iterable[str], config: RunConfig | Mapping | str | os.PathLike | None = None, /, *,
             seeds: Iterable[int] | None = None, method_params: Mapping[str, Mapping] | None = None,
-            checkpoint_every: int = 1, jobs: int | None = None, progress: bool = False, report: bool = True,
-            metric: str = "last3", echo: Echo | None = None, backend=None, **settings: Any) -> Comparison:
+            checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, jobs: int | None = None, progress: bool = False,
+            report: bool = True, metric: str = "last3", echo: Echo | None = None, backend=None,
+            **settings: Any) -> Comparison:
     """Several methods on one setting, every method on the very same partition and client-sampling stream, for
     each seed (``seeds``, default: the ``seed`` setting). ``params`` (a setting) applies to every method,
     ``method_params={"fedprox": {"mu": 0.1}}`` to one. Runs go to ``<out>/<name>`` (default
@@ -393,9 +395,10 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
         with run_lock(Path(sw.out) / "report", wait=True):  # two sweeps on one folder: one report writer at a time
             rep = write_report(sw.out, which=metric, echo=echo)
     if tracked and report:  # (reproduce writes its report itself, then ends the group)
+        from .experiments.report import group_metrics
         from .trackers import end_group
 
-        end_group(sw.out, Path(rep) if rep is not None else None)
+        end_group(sw.out, Path(rep) if rep is not None else None, metrics=group_metrics(Path(sw.out)))
     return result(counts, rep)
 
 
@@ -446,8 +449,8 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
               settings: str | Iterable[str] | None = None, seeds: Iterable[int] | None = None,
               rounds: float | int | None = None, jobs: int | None = None, device: str | None = None,
               data_dir: str | None = None, out: str | None = None, overrides: Mapping[str, Any] | None = None,
-              threads: int | None = None, checkpoint_every: int = 1, figures: bool = True, progress: bool = False,
-              dry_run: bool = False, echo: Echo | None = None, backend=None,
+              threads: int | None = None, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, figures: bool = True,
+              progress: bool = False, dry_run: bool = False, echo: Echo | None = None, backend=None,
               tracker: str | Iterable[str] | None = None) -> Reproduced:
     """Run a seed paper's published table (``fedlt reproduce --list`` names them) as a sweep and write a report
     of our numbers beside the paper's (:mod:`fedlt.experiments.reproduce`). ``methods``/``settings``: a part of
@@ -482,9 +485,10 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
         rows = R.compare_rows(rep)
         path = R.write(rep, rows, echo=echo)
     if any(r.cfg.tracker for r in runs):
+        from .experiments.report import group_metrics
         from .trackers import end_group
 
-        end_group(rep.out, path.parent)
+        end_group(rep.out, path.parent, metrics=group_metrics(Path(rep.out)))
     cmp.report_dir = path.parent
     return Reproduced(rep, cmp, path, rows)
 

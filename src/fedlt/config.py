@@ -3,6 +3,7 @@ command-line overrides, validated before anything is loaded or written."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from .core.spec import LR_SCHEDULES, scheduled_lr
-from .decl import FLOAT32_MAX, byte_size, check, check_values, coerce, rows, settings_of, setting, show, words
+from .decl import (FLOAT32_MAX, Relation, applies_when, byte_size, check, check_relations, check_values, coerce,
+                   excludes, requires, rows, settings_of, setting, show, words)
 from .errors import ConfigError
 from .papers import presets as paper_presets
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS
@@ -183,7 +185,8 @@ class RunConfig:
     availability_skew: float = setting(5.0, "--availability tail: a client's weight is exp(-skew x its tail score "
                                             "in [0, 1]); 0: every client alike", low=0, high=50, group=TRAIN)
     drop_rate: float = setting(0.0, "probability that a sampled client trains but its reply never arrives", low=0,
-                               high=1, metavar="P", group=TRAIN)
+                               high=1, high_open=True, metavar="P", group=TRAIN,
+                               hint=lambda p: "at 1 no reply ever arrives and nothing trains" if p == 1 else "")
     speed_sigma: float = setting(0.0, "stragglers: each client's speed log-normal with median 1 and this sigma (a "
                                       "speed-1 client trains 1,000 samples per simulated second)", low=0, high=10,
                                  group=TRAIN)
@@ -258,8 +261,10 @@ def read_toml(path: str | Path, what: str = "config") -> dict[str, Any]:
         raise ConfigError(f"{what} file {path} is not valid TOML: it is nested too deeply") from None
 
 
-def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults <- preset <- TOML file <- overrides (command line). Unknown keys are errors."""
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None, typed: Any = ()) -> RunConfig:
+    """Defaults <- preset <- TOML file <- overrides (command line). Unknown keys are errors. The TOML file's
+    values, and the overrides named in ``typed`` (read from a typed file: a sweep's), are typed: a number or a
+    bool written as text there is refused (``drop_rate = "0.3"``), as the command line's text is read."""
     values: dict[str, Any] = read_toml(path) if path else {}
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     for where in (values, overrides):
@@ -282,7 +287,8 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     for k in merged:
         if k not in FIELDS or k == "params":
             raise ConfigError(f"unknown setting {show(k)}; see `fedlt run --help`")
-    merged = {k: coerce(SETTINGS[k], v) for k, v in merged.items()}  # types first: a path is text, ...
+    typed = (set(values) - set(overrides)) | (set(typed) & set(overrides))
+    merged = {k: coerce(SETTINGS[k], v, typed=k in typed) for k, v in merged.items()}  # types first: a path is text, ...
     for k in ("method_file", "partition_file"):  # ... and one the files below may be read from
         if merged.get(k):
             check(SETTINGS[k], merged[k])
@@ -297,7 +303,7 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
         merged["partition"] = "file"
         merged.setdefault("clients", count_file_clients(merged["partition_file"]))
     cfg = RunConfig(**merged, params=params)
-    validate(cfg)
+    validate(cfg, PRESETS.get(preset))
     return cfg
 
 
@@ -343,6 +349,9 @@ def count_file_clients(path: str) -> int:
     return len(clients)
 
 
+SPEED_RANGE = (1e-6, 1e6)  # a speed file's speeds: a client a million times slower or faster than speed 1 at most
+
+
 def read_speeds(path: str, num_clients: int) -> np.ndarray:
     """A speed file: a JSON list of one positive speed per client, or {client id: speed} for every client."""
     doc = read_json_file(path, "speed")
@@ -358,19 +367,23 @@ def read_speeds(path: str, num_clients: int) -> np.ndarray:
     if not isinstance(doc, list) or len(doc) != num_clients:
         raise ConfigError(f"speed file {path} must hold a list of {num_clients} speeds (one per client) or "
                           f"{{client id: speed}}")
-    try:
-        s = np.asarray([float(v) for v in doc])
-    except (TypeError, ValueError):
-        raise ConfigError(f"speed file {path}: every speed must be a number") from None
-    if not (np.isfinite(s).all() and (s > 0).all()):
-        raise ConfigError(f"speed file {path}: every speed must be a positive finite number")
+    for k, v in enumerate(doc):  # a JSON number: true is no speed of 1, nor "2" a speed of 2
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"speed file {path}: client {k}'s speed is {json.dumps(v)[:40]}; every speed must be a number "
+                              f"(written without quotes)")
+    s = np.asarray([float(v) for v in doc])
+    bad = np.flatnonzero(~(np.isfinite(s) & (s >= SPEED_RANGE[0]) & (s <= SPEED_RANGE[1])))
+    if len(bad):  # a round's time is samples / speed: it must stay a finite number (metrics.jsonl is JSON)
+        raise ConfigError(f"speed file {path}: client {bad[0]}'s speed is {doc[bad[0]]!r}; every speed must be a positive finite "
+                          f"number, in [{SPEED_RANGE[0]:g}, {SPEED_RANGE[1]:g}] (relative to 1)")
     return s
 
 
-def validate(cfg: RunConfig) -> None:
-    """Every setting against its declaration (type, range, choices, names), then the checks that relate two
-    settings or need the method, the dataset or torch. Raises ConfigError with a one-line message."""
-    from .data.partition import partitions_reading
+def validate(cfg: RunConfig, base: dict | None = None) -> None:
+    """Every setting against its declaration (type, range, choices, names), then the relations between settings
+    (:data:`RELATIONS`) and the checks that need the method, the dataset's files or torch. Raises ConfigError
+    with a one-line message. ``base``: the preset's settings (a value a preset gives is not the user's: a
+    paper's protocol that states a setting its partition ignores stays as the paper wrote it)."""
     from .data.split import check_lt_settings, default_lt_profile
     from .plugins import load_method_file, method_class
 
@@ -381,68 +394,218 @@ def validate(cfg: RunConfig) -> None:
         cfg.partition = "file"
     check_values(cfg, allow_large=cfg.allow_large)
     if cfg.data_dir and not Path(cfg.data_dir).is_dir():  # that folder or an error, whatever the dataset
-        raise ConfigError(f"--data-dir {show(cfg.data_dir)} is {'a file' if Path(cfg.data_dir).exists() else 'not there'}"
-                          f"; give the folder that holds the {cfg.dataset} files")
+        raise ConfigError(data_dir_problem(cfg.dataset, cfg.data_dir))
     method_class(cfg).make_params(cfg.params, cfg.allow_large)
-    loader = DATASETS.get(cfg.dataset)
-    if cfg.partition == "file" and not cfg.partition_file:
-        raise ConfigError("partition file needs --partition-file FILE.json")
     check_lt_settings(cfg.dataset, cfg.lt_profile or default_lt_profile(cfg.dataset, cfg.partition, cfg.partition_file),
                       cfg.partition, cfg.partition_file)
-    if cfg.partition == "natural" and not getattr(loader, "natural_groups", False):
-        raise ConfigError(f"partition natural needs a dataset with its own users ({having(DATASETS, 'natural_groups')}"
-                          f"); {cfg.dataset} has none")
-    takers = partitions_reading("balance")
-    if cfg.balance and cfg.partition not in takers:
-        raise ConfigError(f"--balance applies to the {words(takers, 'and')} partitions, not {cfg.partition}")
-    if (cfg.image_column or cfg.label_column) and not getattr(loader, "columns", False):
-        raise ConfigError(f"--image-column and --label-column apply to Hugging Face datasets (--dataset hf:NAME), "
-                          f"not {cfg.dataset}")
+    check_relations(cfg, RELATIONS, base)
     part = PARTITIONS.get(cfg.partition)
-    if cfg.partition_args and not hasattr(part, "check_args"):
-        raise ConfigError(f"partition arguments (--set partition.KEY=VALUE, [partition_args]) apply to Flower "
-                          f"Datasets partitions (--partition flwr:CLASS), not {cfg.partition}")
     if hasattr(part, "check_args"):  # the partitioner made once with its arguments: a bad one fails here
         part.check_args(cfg.clients, cfg.seed, cfg.partition_args)
-    if cfg.image_size is not None and not getattr(loader, "image_size", False):
-        raise ConfigError(f"--image-size applies to {having(DATASETS, 'image_size', ' and ')}, not {cfg.dataset}")
-    if cfg.synthetic_per_class is not None and not getattr(loader, "per_class", False):
-        raise ConfigError(f"--synthetic-per-class applies to {having(DATASETS, 'per_class', ' and ')}, "
-                          f"not {cfg.dataset}")
-    fraction_or_count("participation", cfg.participation, cfg.clients, " per round")
-    fraction_or_count("eval-clients", cfg.eval_clients, cfg.clients)
-    cp = cfg.client_parallel
-    if cfg.cuda_graphs and not cfg.device.startswith("cuda"):
-        raise ConfigError("--cuda-graphs needs --device cuda (graphs are captured on a GPU); drop it on a CPU")
-    if cfg.cuda_graphs and (cp == "off" or cfg.precision == "fp16"):
-        raise ConfigError("--cuda-graphs replays batched clients' steps, and " +
-                          ("--client-parallel off" if cp == "off" else "fp16 (its gradient scaler)") +
-                          " trains one client after another; use --client-parallel auto or N, and fp32 or bf16")
-    if cfg.precision == "fp16" and not cfg.device.startswith("cuda"):
-        raise ConfigError("precision fp16 needs a CUDA device (a CPU has no fast fp16 training); use --precision "
-                          "bf16 or fp32 on a CPU")
-    if cfg.precision == "fp16" and not getattr(method_class(cfg), "fp16", True):
-        raise ConfigError(f"method {cfg.method} trains in a loop of its own, without fp16's gradient scaler; "
-                          f"use --precision bf16")
-    if cfg.lr_milestones and cfg.lr_schedule != "step":
-        raise ConfigError(f"lr-milestones apply to --lr-schedule step, not {cfg.lr_schedule}")
-    if cfg.lr_schedule == "step" and not cfg.lr_milestones:
-        raise ConfigError("--lr-schedule step needs --lr-milestones (e.g. 160,240)")
-    if cfg.lr_schedule == "step":  # the lr after the last milestone must still be a float32
-        ms = [m for m in parse_milestones(cfg.lr_milestones) if m < cfg.rounds]
-        try:
-            peak = max(cfg.lr * cfg.lr_gamma ** k for k in range(len(ms) + 1))
-        except OverflowError:
-            peak = math.inf
-        if peak > FLOAT32_MAX:
-            raise ConfigError(f"lr-gamma {cfg.lr_gamma:g} takes the lr past a float32 ({cfg.lr:g} x "
-                              f"{cfg.lr_gamma:g}^{len(ms)}); a decay factor is below 1 (e.g. 0.1)")
     if cfg.speed_file is not None:
-        if cfg.speed_sigma > 0:
-            raise ConfigError("--speed-file and --speed-sigma exclude each other: the file gives the speeds")
         read_speeds(cfg.speed_file, cfg.clients)
+    check_relations(cfg, TIMING, base)  # the deadline against the speeds (a speed file's, read above)
     check_device(cfg.device)
     check_trackers(cfg.tracker)
+
+
+def data_dir_problem(dataset: str, data_dir: str) -> str:
+    """--data-dir names a file, or a folder that is not there: what to do (fetch the dataset into it, or give the
+    folder that holds it)."""
+    if Path(data_dir).exists():
+        return f"--data-dir {show(data_dir)} is a file; give the folder that holds the {dataset} files"
+    from .data.fetch import SOURCES
+
+    fetch = f"fetch it there with `fedlt data fetch {dataset} --data-dir {data_dir}`, or " if dataset in SOURCES else ""
+    return f"--data-dir {show(data_dir)} is not there; {fetch}give the folder that holds the {dataset} files"
+
+
+# ------------------------------------------------------------------------------------------------ relations
+def _loader(cfg):
+    return DATASETS.get(cfg.dataset)
+
+
+def has_capability(loader, what: str) -> bool:
+    """Whether a dataset loader declares the capability ``what`` (:func:`fedlt.data.base.capable`); a name that is
+    no capability is an attribute of the loader's own (hf:'s ``columns``)."""
+    from .data.base import CAPABILITIES, capabilities_of
+
+    return bool(getattr(capabilities_of(loader), what)) if what in CAPABILITIES else bool(getattr(loader, what, False))
+
+
+def _reads(setting: str, label: str | None = None, bad: Any = None) -> Relation:
+    """``setting`` applies to the partitions that declare they read it (fedlt.data.partition.reads)."""
+    from .data.partition import partitions_reading
+
+    flag = label or "--" + setting.replace("_", "-")
+
+    def message(c):
+        takers = partitions_reading(setting)
+        return (f"{flag} applies to the {words(takers, 'and')} partition{'s' if len(takers) > 1 else ''}, not "
+                f"{c.partition}; drop it" + (f" or use --partition {takers[0]}" if takers else ""))
+
+    return applies_when(setting, lambda c: c.partition in partitions_reading(setting), message, others=("partition",),
+                        bad=({"partition": "iid", setting: bad},))
+
+
+def share_problem(name: str, value: float, clients: int, what: str = "") -> str | None:
+    """A share of the clients: a fraction (<= 1) or a whole number of them (> 1), at most all of them; what is
+    wrong with ``value`` and how to fix it, or None."""
+    if value > 1 and not float(value).is_integer():
+        return (f"{name} {value:g} is neither a fraction of the clients (<= 1) nor a whole number of "
+                f"them (> 1); use e.g. {min(value / clients, 1):.2g} or {round(value)}")
+    if value > clients:
+        return (f"{name} {value:g} clients{what} exceeds the {clients} clients; use at most {clients}, or a fraction "
+                f"of them (<= 1; 1: all)")
+    if value * clients < 0.5:  # a fraction that rounds to no client (it used to become one client silently)
+        return (f"{name} {value:g} of {clients} clients is less than one client; use at least "
+                f"{1 / clients:.3g} (one client), or a count: 1, 2, ...")
+    return None
+
+
+def fraction_or_count(name: str, value: float, clients: int, what: str = "") -> None:
+    problem = share_problem(name, value, clients, what)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _per_round(cfg) -> int:
+    n = int(round(cfg.participation)) if cfg.participation > 1 else max(1, int(round(cfg.participation * cfg.clients)))
+    return min(n, cfg.clients)
+
+
+def _peak_lr(cfg) -> float:
+    ms = [m for m in parse_milestones(cfg.lr_milestones) if m < cfg.rounds]
+    try:
+        return max(cfg.lr * cfg.lr_gamma ** k for k in range(len(ms) + 1))
+    except OverflowError:
+        return math.inf
+
+
+def _fp16_method(cfg) -> bool:
+    from .plugins import method_class
+
+    return getattr(method_class(cfg), "fp16", True)
+
+
+def _online(cfg) -> float:
+    """The expected number of clients online over the whole run (availability a number, or the profiles' mean)."""
+    p = cfg.availability_mean if cfg.availability in ("size", "tail") else float(cfg.availability)
+    return p * cfg.clients * cfg.rounds
+
+
+SPEED_PURPOSE = 22  # generator purpose of the clients' speeds (engine.faults' purposes are 20-23)
+RATE = 1000.0  # samples trained per simulated second by a client of speed 1
+
+
+def client_speeds(speed_sigma: float, speed_file: str | None, num_clients: int, seed: int) -> np.ndarray:
+    """The clients' speeds (engine.faults' time model): from ``speed_file``, else log-normal with median 1 and
+    ``speed_sigma``, drawn from the run's seed."""
+    if speed_file is not None:
+        return read_speeds(speed_file, num_clients)
+    return np.exp(speed_sigma * np.random.default_rng([seed, SPEED_PURPOSE]).standard_normal(num_clients))
+
+
+def _fastest(cfg) -> float:
+    """Simulated seconds of the fastest client's round at best: one sample (every client holds one) at the
+    highest speed any client has (engine.faults: n x E / (RATE x speed))."""
+    speeds = client_speeds(float(cfg.speed_sigma), cfg.speed_file, cfg.clients, cfg.seed)
+    return max(cfg.local_epochs, 1) / (RATE * float(speeds.max()))
+
+
+FAST_RUN = {"dataset": "digits", "clients": 4, "rounds": 1}  # the settings the relations' examples add to theirs
+RELATIONS: list[Relation] = [
+    requires("partition", lambda c: bool(c.partition_file), "partition file needs --partition-file FILE.json",
+             when=lambda c: c.partition == "file", others=("partition_file",), bad=({"partition": "file"},)),
+    requires("partition", lambda c: has_capability(_loader(c), "natural_groups"),
+             lambda c: f"partition natural needs a dataset with its own users ({having(DATASETS, 'natural_groups')}); "
+                       f"{c.dataset} has none", when=lambda c: c.partition == "natural", others=("dataset",),
+             bad=({"partition": "natural"},)),
+    _reads("balance", bad=True),
+    _reads("alpha", "--alpha", bad=0.1),
+    _reads("tau", bad=3.0),
+    _reads("shards_per_client", bad=3),
+    _reads("classes_per_client", bad=3),
+    _reads("min_client_size", bad=2),
+    applies_when("tail_classes", lambda c: c.lt_profile == "step",
+                 lambda c: f"--tail-classes applies to --lt-profile step, not {c.lt_profile or 'the dataset default'}; "
+                           f"drop it or add --lt-profile step",
+                 others=("lt_profile",), bad=({"tail_classes": 5},)),
+    *[applies_when(col, lambda c: getattr(_loader(c), "columns", False),
+                   f"--{col.replace('_', '-')} applies to Hugging Face datasets (--dataset hf:NAME), not {{dataset}}; "
+                   f"drop it", others=("dataset",), bad=({col: "x"},)) for col in ("image_column", "label_column")],
+    applies_when("partition_args", lambda c: hasattr(PARTITIONS.get(c.partition), "check_args"),
+                 "partition arguments (--set partition.KEY=VALUE, [partition_args]) apply to Flower Datasets "
+                 "partitions (--partition flwr:CLASS), not {partition}; drop them", others=("partition",),
+                 bad=({"params": {"partition.alpha": "0.5"}},)),
+    applies_when("image_size", lambda c: has_capability(_loader(c), "image_size"),
+                 lambda c: f"--image-size applies to {having(DATASETS, 'image_size', ' and ')}, not {c.dataset}; "
+                           f"drop it", others=("dataset",), bad=({"image_size": 64},)),
+    applies_when("synthetic_per_class", lambda c: has_capability(_loader(c), "per_class"),
+                 lambda c: f"--synthetic-per-class applies to {having(DATASETS, 'per_class', ' and ')}, not "
+                           f"{c.dataset}; drop it", others=("dataset",), bad=({"synthetic_per_class": 10},)),
+    requires("participation", lambda c: share_problem("participation", c.participation, c.clients) is None,
+             lambda c: share_problem("participation", c.participation, c.clients, " per round"),
+             when=lambda c: True, others=("clients",), bad=({"participation": 5},)),
+    requires("eval_clients", lambda c: share_problem("eval-clients", c.eval_clients, c.clients) is None,
+             lambda c: share_problem("eval-clients", c.eval_clients, c.clients), when=lambda c: True,
+             others=("clients",), bad=({"eval_clients": 50},)),
+    requires("cuda_graphs", lambda c: c.device.startswith("cuda"),
+             "--cuda-graphs needs --device cuda (graphs are captured on a GPU); drop it on a CPU", others=("device",),
+             bad=({"cuda_graphs": True},)),
+    requires("cuda_graphs", lambda c: c.client_parallel != "off" and c.precision != "fp16",
+             lambda c: "--cuda-graphs replays batched clients' steps, and " +
+                       ("--client-parallel off" if c.client_parallel == "off" else "fp16 (its gradient scaler)") +
+                       " trains one client after another; use --client-parallel auto or N, and fp32 or bf16",
+             others=("client_parallel", "precision")),
+    requires("precision", lambda c: c.device.startswith("cuda"),
+             "precision fp16 needs a CUDA device (a CPU has no fast fp16 training); use --precision bf16 or fp32 on "
+             "a CPU", when=lambda c: c.precision == "fp16", others=("device",), bad=({"precision": "fp16"},)),
+    requires("precision", _fp16_method, "method {method} trains in a loop of its own, without fp16's gradient "
+             "scaler; use --precision bf16", when=lambda c: c.precision == "fp16", others=("method",)),
+    applies_when("lr_milestones", lambda c: c.lr_schedule == "step",
+                 "lr-milestones apply to --lr-schedule step, not {lr_schedule}; drop them or add --lr-schedule step",
+                 others=("lr_schedule",), bad=({"lr_milestones": "1"},)),
+    requires("lr_schedule", lambda c: bool(c.lr_milestones), "--lr-schedule step needs --lr-milestones (e.g. 160,240)",
+             when=lambda c: c.lr_schedule == "step", others=("lr_milestones",), bad=({"lr_schedule": "step"},)),
+    requires("lr_gamma", lambda c: _peak_lr(c) <= FLOAT32_MAX,
+             lambda c: f"lr-gamma {c.lr_gamma:g} takes the lr past a float32 ({c.lr:g} x {c.lr_gamma:g}^"
+                       f"{len([m for m in parse_milestones(c.lr_milestones) if m < c.rounds])}); a decay factor is "
+                       f"below 1 (e.g. 0.1)", when=lambda c: c.lr_schedule == "step",
+             others=("lr", "lr_milestones", "rounds"),
+             bad=({"lr_schedule": "step", "lr_milestones": "1", "rounds": 2, "lr_gamma": 1e39},)),
+    excludes("speed_file", "speed_sigma", "--speed-file and --speed-sigma exclude each other: the file gives the "
+                                          "speeds; drop one"),
+    applies_when("availability_mean", lambda c: c.availability in ("size", "tail"),
+                 "--availability-mean applies to --availability size or tail, not {availability}; drop it (a "
+                 "number P is every client's probability itself)", others=("availability",),
+                 bad=({"availability": "0.5", "availability_mean": 0.3}, {"availability_mean": 0.3})),
+    applies_when("availability_skew", lambda c: c.availability == "tail",
+                 "--availability-skew applies to --availability tail, not {availability}; drop it",
+                 others=("availability",), bad=({"availability": "size", "availability_skew": 1},)),
+    requires("availability", lambda c: _online(c) >= 1,
+             lambda c: f"availability {c.availability_mean if c.availability in ('size', 'tail') else c.availability}"
+                       f" puts {_online(c):.3g} clients online in the whole run ({c.rounds} rounds of {c.clients} "
+                       f"clients): nothing would train; use at least {1 / (c.clients * c.rounds):.3g}",
+             when=lambda c: c.availability != "always", others=("availability_mean", "clients", "rounds"),
+             bad=({"availability": "1e-300"}, {"availability": "size", "availability_mean": 1e-30})),
+    applies_when("over_select", lambda c: _per_round(c) < c.clients,
+                 lambda c: f"--over-select {c.over_select:g} applies when a round samples fewer than all clients; "
+                           f"participation {c.participation:g} takes all {c.clients} already; drop it or lower "
+                           f"--participation", others=("participation", "clients"),
+                 bad=({"over_select": 2, "participation": 1.0},)),
+    requires("tracker", lambda c: "none" not in c.tracker or len(set(c.tracker)) == 1,
+             lambda c: f"--tracker none means no tracker and cannot go with {words(sorted(set(c.tracker) - {'none'}), 'and')}"
+                       f"; drop none or the others", bad=({"tracker": "none,tensorboard"},)),
+]
+# the deadline against the clients' speeds (a speed file is read first: its own errors come before this one)
+TIMING: list[Relation] = [
+    requires("round_deadline", lambda c: c.round_deadline >= _fastest(c),
+             lambda c: f"round-deadline {c.round_deadline:g} s is shorter than any client's round (at best "
+                       f"{_fastest(c):.3g} s: one sample at the fastest client's speed); every reply would be lost: "
+                       f"use at least {_fastest(c):.3g}", when=lambda c: c.round_deadline is not None,
+             others=("speed_sigma", "speed_file", "local_epochs"), bad=({"round_deadline": 1e-30},)),
+]
 
 
 def check_trackers(names) -> None:
@@ -455,21 +618,9 @@ def check_trackers(names) -> None:
             raise ConfigError(f"--tracker {name} needs the {module} package, which is not installed: {install}")
 
 
-def fraction_or_count(name: str, value: float, clients: int, what: str = "") -> None:
-    """A share of the clients: a fraction (<= 1) or a whole number of them (> 1), at most all of them."""
-    if value > 1 and not float(value).is_integer():
-        raise ConfigError(f"{name} {value:g} is neither a fraction of the clients (<= 1) nor a whole number of "
-                          f"them (> 1); use e.g. {min(value / clients, 1):.2g} or {round(value)}")
-    if value > clients:
-        raise ConfigError(f"{name} {value:g} clients{what} exceeds the {clients} clients")
-    if value * clients < 0.5:  # a fraction that rounds to no client (it used to become one client silently)
-        raise ConfigError(f"{name} {value:g} of {clients} clients is less than one client; use at least "
-                          f"{1 / clients:.3g} (one client), or a count: 1, 2, ...")
-
-
 def having(registry, attr: str, last: str = ", ") -> str:
     """The names of a registry's entries that have ``attr`` set ("femnist, inat-user, imu")."""
-    names = [n for n, obj in registry.items() if getattr(obj, attr, False)]
+    names = [n for n, obj in registry.items() if has_capability(obj, attr)]
     return last.join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else "".join(names)
 
 

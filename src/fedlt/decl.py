@@ -209,9 +209,10 @@ def words(items, last: str = "or") -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
 
 
-def coerce(s: Setting, value: Any, prefix: str | None = None) -> Any:
+def coerce(s: Setting, value: Any, prefix: str | None = None, typed: bool = False) -> Any:
     """``value`` (from TOML, JSON, Python or the command line) as the setting's type, or a one-line
-    ConfigError. Checks nothing else (see :func:`check`)."""
+    ConfigError. Checks nothing else (see :func:`check`). ``typed``: the value comes from a typed file (TOML,
+    JSON), where a number or a bool written as text (``drop_rate = "0.3"``) is a mistake, not a notation."""
     label = s.label(prefix)
     if not s.declared:
         return _legacy(value, s.default, label)
@@ -224,11 +225,16 @@ def coerce(s: Setting, value: Any, prefix: str | None = None) -> Any:
         try:
             return d.parse(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{label}: cannot read {show(value)}" + (f" ({d.metavar})" if d.metavar else "")) from None
+            how = getattr(d.parse, "notation", None)  # what the notation reads, in words
+            raise ConfigError(f"{label}: cannot read {show(value)}" + (f"; write {how}" if how else
+                                                                          f" ({d.metavar})" if d.metavar else "")) from None
     if s.nullable and s.kind in (int, float) and isinstance(value, str) and value.strip().lower() == "none":
         return None
     if s.kind is tuple:
         items = [x.strip(" ()[]") for x in value.split(",") if x.strip(" ()[]")] if isinstance(value, str) else value
+        if isinstance(value, str) and not items and d.allowed() is not None:  # --tracker '': not the default
+            raise ConfigError(f"{label} {show(value)} names nothing; give {words(d.allowed())}, or leave it out "
+                              f"for its default")
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{label} expects a list (a TOML list, or comma-separated), got {show(value)}")
         return tuple(_scalar(s.item, x, label) for x in items)
@@ -240,6 +246,9 @@ def coerce(s: Setting, value: Any, prefix: str | None = None) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{label} expects a table (a dict), got {show(value)}")
         return value
+    if typed and isinstance(value, str) and s.kind in (bool, int, float):
+        what = "true or false" if s.kind is bool else f"a number ({_kind_name(s.kind)})"
+        raise ConfigError(f"{label} expects {what}, got the text {show(value)}; write it without quotes")
     return _scalar(s.kind, value, label)
 
 
@@ -480,6 +489,10 @@ def byte_size(value: Any) -> int:
     return int(n)
 
 
+byte_size.notation = ("a number of bytes with a unit: B, kB, MB, GB, TB (powers of 1000; k, m, g, t alike) or KiB, "
+                      "MiB, GiB, TiB (powers of 1024), e.g. 2GB or 512MiB")
+
+
 # ------------------------------------------------------------------------------------------------ descriptions
 def type_text(s: Setting) -> str:
     if s.kind is tuple:
@@ -675,3 +688,82 @@ def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     return {k: ",".join(v) if isinstance(v, list) and s.kind is tuple else v
             for k, s in settings_of(cls).items() if (v := getattr(args, k, None)) is not None}
 
+
+
+# ------------------------------------------------------------------------------------------------ relations
+@dataclass(frozen=True)
+class Relation:
+    """A relation between settings, declared beside them (``fedlt.config.RELATIONS``) and checked like them
+    (:func:`check_relations`): one line, exit status 2, before anything is loaded or written.
+
+    ``kind`` says which: ``applies only when`` (a setting that the configuration would ignore: given a value
+    other than its default where ``holds`` is false), ``requires`` (where ``when`` holds -- by default, where the
+    setting is given -- ``holds`` must too) or ``excludes`` (the setting and ``others[0]`` are not both given).
+    ``message``: the one-line error, what is wrong and how to fix it (a ``str.format`` template of the settings,
+    or a function of them). ``bad``: configurations that break the relation (overrides, as ``fedlt run``'s
+    settings), drawn by the tests and shown by the documentation."""
+
+    kind: str
+    setting: str
+    others: tuple[str, ...]
+    holds: Callable[[Any], bool]
+    message: str | Callable[[Any], str]
+    when: Callable[[Any], bool] | None = None
+    bad: tuple[dict, ...] = ()
+
+    def active(self, obj: Any, base: dict | None = None) -> bool:
+        if self.when is not None:
+            return bool(self.when(obj))
+        if not is_set(obj, self.setting, base):
+            return False
+        return self.kind != "excludes" or all(is_set(obj, o, base) for o in self.others)
+
+    def error(self, obj: Any) -> str:
+        if callable(self.message):
+            return self.message(obj)
+        return self.message.format(**{k: getattr(obj, k) for k in settings_of(type(obj))})
+
+    def text(self) -> str:
+        """The relation in words, for tables: ``availability-mean applies only when availability``."""
+        flag = lambda n: n.replace("_", "-")  # noqa: E731
+        others = words([flag(o) for o in self.others], "and") if self.others else "its own values"
+        return f"{flag(self.setting)} {self.kind} {others}"
+
+
+def is_set(obj: Any, name: str, base: dict | None = None) -> bool:
+    """Whether the setting ``name`` of ``obj`` holds something other than its declared default (or than the value
+    of ``base``, the named settings it started from: a preset): what the user gave. A default restated (a Flower
+    run config, ``RunConfig.to_dict()`` and sweep bases write every setting) changes nothing, so it counts as
+    not given."""
+    s = settings_of(type(obj))[name]
+    v = getattr(obj, name)
+    if base and name in base and v == base[name]:
+        return False
+    if s.default is dataclasses.MISSING:
+        return True
+    return v != s.default and not (v in ((), {}, None) and s.default in ((), {}, None))
+
+
+def applies_when(setting: str, holds: Callable[[Any], bool], message, *, others: Iterable[str] = (),
+                 bad: Iterable[dict] = ()) -> Relation:
+    """``setting``, given a value other than its default, applies only where ``holds(settings)``; elsewhere the
+    configuration would ignore it, so it is refused (``message``: which configurations take it, and "drop it")."""
+    return Relation("applies only when", setting, tuple(others), holds, message, None, tuple(bad))
+
+
+def requires(setting: str, holds: Callable[[Any], bool], message, *, when: Callable[[Any], bool] | None = None,
+             others: Iterable[str] = (), bad: Iterable[dict] = ()) -> Relation:
+    """``setting`` -- where ``when(settings)``, by default where it is given -- requires ``holds(settings)``."""
+    return Relation("requires", setting, tuple(others), holds, message, when, tuple(bad))
+
+
+def excludes(setting: str, other: str, message, *, bad: Iterable[dict] = ()) -> Relation:
+    """``setting`` and ``other`` cannot both be given."""
+    return Relation("excludes", setting, (other,), lambda _: False, message, None, tuple(bad))
+
+
+def check_relations(obj: Any, relations: Iterable[Relation], base: dict | None = None) -> None:
+    """The first relation that ``obj`` breaks: its one-line ConfigError (``base``: see :func:`is_set`)."""
+    for r in relations:
+        if r.active(obj, base) and not r.holds(obj):
+            raise ConfigError(r.error(obj))

@@ -508,14 +508,19 @@ def start_group(out: str | Path, names: list[str]) -> None:
     _write(out / GROUP, doc)
 
 
-def end_group(out: str | Path, report: Path | None, status: str = "FINISHED") -> None:
-    """Close a sweep's MLflow parent run, with the sweep's report (tables, figures) as its artifacts."""
+def end_group(out: str | Path, report: Path | None, status: str = "FINISHED",
+              metrics: dict[str, float] | None = None) -> None:
+    """Close a sweep's MLflow parent run, with the sweep's report (tables, figures) as its artifacts and
+    ``metrics`` (fedlt.experiments.report.group_metrics: the comparison's final GM / PM per method) on its
+    charts."""
     doc = _read(Path(out) / GROUP)
     if not doc.get("mlflow"):
         return
     try:
         with _quiet():
             client, _ = mlflow_client(Path(out))
+            for key, value in (metrics or {}).items():  # the chart view of the parent run
+                client.log_metric(doc["mlflow"], key, value)
             if report is not None and Path(report).is_dir():
                 client.log_artifacts(doc["mlflow"], str(report), "report")
             client.set_terminated(doc["mlflow"], status)

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..flower.settings import FLOWER_DEFAULTS
 from .run import add_config_arguments, add_resume_arguments, config_from_args
 
 NAME = "flower"
@@ -23,11 +24,45 @@ HELP = "run a method on Flower: superlink, supernode, app, run (flwr run), inpro
 ORDER = 60
 
 
+def _number(kind: type, low: float, low_open: bool = False, high: float | None = None):
+    """An argparse type: a finite number of ``kind`` in range (argparse's one-line error otherwise)."""
+    import math
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects {'an int' if kind is int else 'a number'}, got {text!r}") \
+                from None
+        if not math.isfinite(v) or (v <= low if low_open else v < low) or (high is not None and v > high):
+            where = f"{'>' if low_open else '>='} {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"must be a number {where}, got {text!r}")
+        return v
+
+    parse.__name__ = "int" if kind is int else "number"
+    return parse
+
+
+SECONDS, COUNT, ID, PORT = _number(float, 0, True), _number(int, 0), _number(int, 0), _number(int, 1, high=65535)
+
+
+def _address(text: str) -> str:
+    """HOST:PORT (a host name, an IPv4 address, or [IPv6]) with a port in 1..65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"expects HOST:PORT (e.g. 127.0.0.1:9092), got {text!r}")
+    return text
+
+
 def _flower_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Flower")
-    g.add_argument("--round-timeout", type=float,
-                   help="seconds a round/phase/evaluation waits for replies; later clients count as missing (600)")
-    g.add_argument("--wait-timeout", type=float, help="seconds the run waits at the start for its SuperNodes (300)")
+    g.add_argument("--round-timeout", type=SECONDS, metavar="SECONDS",
+                   help="seconds a round/phase/evaluation waits for replies; later clients count as missing "
+                        f"({FLOWER_DEFAULTS['round-timeout']:g})")
+    g.add_argument("--wait-timeout", type=SECONDS, metavar="SECONDS",
+                   help=f"seconds the run waits at the start for its SuperNodes ({FLOWER_DEFAULTS['wait-timeout']:g})")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (as fedlt run; the Flower runs draw none: accepted for the same command line)")
     add_resume_arguments(g)
 
 
@@ -40,7 +75,7 @@ def _flower_kw(args) -> dict:
 
 def _connection_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection to the SuperLink")
-    g.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    g.add_argument("--superlink", required=True, type=_address, metavar="HOST:PORT", help="the SuperLink's address")
     g.add_argument("--insecure", action="store_true", help="no TLS (tests on 127.0.0.1 only)")
     g.add_argument("--root-certificates", metavar="CA.crt", help="CA certificate that signed the SuperLink's")
 
@@ -52,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                          "dependency installation)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 with TLS "
                                                         "to accept other machines)")
-    s.add_argument("--port", type=int, default=9093, help="port of the SuperLink's HTTP APIs (default 9093)")
+    s.add_argument("--port", type=PORT, default=9093, help="port of the SuperLink's HTTP APIs (default 9093)")
     s.add_argument("--database", help="SQLite file that keeps the SuperLink's state (default: in memory)")
     s.add_argument("--insecure", action="store_true", help="no TLS (tests on 127.0.0.1 only)")
     s.add_argument("--ssl-ca-certfile", help="CA certificate (PEM)")
@@ -64,19 +99,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="let the SuperLink `uv sync` each app's dependencies (off by default)")
 
     n = sub.add_parser("supernode", help="start a Flower SuperNode that serves one client's data")
-    n.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
-    n.add_argument("--partition-id", type=int, help="serve client K of the run's fedlt partition (trials)")
+    n.add_argument("--superlink", required=True, type=_address, metavar="HOST:PORT", help="the SuperLink's address")
+    n.add_argument("--partition-id", type=ID, help="serve client K of the run's fedlt partition (trials)")
     n.add_argument("--data-dir", help="serve the client's own data: DIR/train.npz (x, y), optional DIR/test.npz")
-    n.add_argument("--client-id", type=int, help="with --data-dir: this client's number, 0..clients-1")
+    n.add_argument("--client-id", type=ID, help="with --data-dir: this client's number, 0..clients-1")
     n.add_argument("--state-dir", help="also keep the client state here, so it survives a SuperNode restart")
     n.add_argument("--device", help="torch device for this client (default: the run's)")
     n.add_argument("--host", default="127.0.0.1", help="host of the SuperNode's own Runtime API (default 127.0.0.1)")
-    n.add_argument("--port", type=int, help="port of the SuperNode's own Runtime API (default 9094 + client id)")
+    n.add_argument("--port", type=PORT, help="port of the SuperNode's own Runtime API (default 9094 + client id)")
     n.add_argument("--insecure", action="store_true", help="no TLS (tests on 127.0.0.1 only)")
     n.add_argument("--root-certificates", metavar="CA.crt", help="CA certificate that signed the SuperLink's")
     n.add_argument("--auth-key", metavar="KEY", help="private EC key (OpenSSH format) registered on the SuperLink")
-    n.add_argument("--max-retries", type=int, help="give up after this many failed connection attempts")
-    n.add_argument("--max-wait-time", type=float, help="give up after this many seconds without a connection")
+    n.add_argument("--max-retries", type=COUNT, help="give up after this many failed connection attempts")
+    n.add_argument("--max-wait-time", type=SECONDS, help="give up after this many seconds without a connection")
 
     a = sub.add_parser("app", help="write a Flower App directory (pyproject.toml) for `flwr run`")
     a.add_argument("--app-dir", required=True, help="folder to write")
@@ -99,9 +134,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(m)
     _flower_options(m)
     g = m.add_argument_group("simulation (pip install 'fedlt[simulation]')")
-    g.add_argument("--cpus-per-client", type=float, default=1.0, metavar="N",
+    g.add_argument("--cpus-per-client", type=SECONDS, default=1.0, metavar="N",
                    help="CPUs each virtual client asks Ray for (default 1): CPUs / N clients train at once")
-    g.add_argument("--gpus-per-client", type=float, default=0.0, metavar="F",
+    g.add_argument("--gpus-per-client", type=_number(float, 0), default=0.0, metavar="F",
                    help="GPUs each virtual client asks Ray for (default 0; 0.25: four clients share a GPU)")
     g.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (auto, HOST:PORT) instead of "
                                                          "starting one on this machine")

@@ -31,7 +31,10 @@ def parse_set(items: list[str], option: str = "--set") -> dict[str, str]:
         if "=" not in item:
             raise ConfigError(f"{option} expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
+        k = k.strip()
+        if k in out and out[k] != v.strip():  # the last would win without a word
+            raise ConfigError(f"{option} {k} is given twice ({out[k]!r} and {v.strip()!r}); give it once")
+        out[k] = v.strip()
     return out
 
 

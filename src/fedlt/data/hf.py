@@ -23,12 +23,16 @@ import ast
 import difflib
 import importlib
 import inspect
+import types
+import typing
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..decl import show, words
 from ..errors import ConfigError, DataError
 from ..registry import DATASETS, PARTITIONS, one_line
 from .base import Dataset
@@ -54,8 +58,11 @@ def open_splits(source: str):
     if path.exists():
         try:
             d = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError, OSError) as e:
-            raise DataError(f"hf:{source}: not a folder written by save_to_disk ({one_line(e)})") from None
+        except (FileNotFoundError, ValueError, OSError, KeyError, TypeError, IndexError, AttributeError) as e:
+            # a dataset_dict.json / state.json without its keys: a KeyError of datasets' reader
+            what = f"a file of it lacks the key {e}" if isinstance(e, KeyError) else one_line(e)
+            raise DataError(f"hf:{source}: not a folder written by save_to_disk ({what}); write it again with "
+                            f"DatasetDict.save_to_disk") from None
     else:
         try:
             d = datasets.load_dataset(source)
@@ -172,6 +179,10 @@ def load_hf(source: str, image_column: str | None = None, label_column: str | No
     if image == label:
         raise ConfigError(f"hf:{source}: --image-column and --label-column both name {label!r}")
     ys, num_classes, names = labels_of(splits, label)
+    present = np.unique(ys["train"])
+    if len(present) < 2:  # no long tail, no classifier: --rho would become 1 without a word
+        raise DataError(f"hf:{source}: the training split holds {len(present)} class of label column {label!r}; "
+                        f"fedlt needs at least 2 (choose another with --label-column)")
     xs = {k: as_images(samples_of(s, image, source)) for k, s in splits.items()}
     if xs["train"].shape[1:] != xs["test"].shape[1:]:
         raise DataError(f"hf:{source}: train samples of shape {xs['train'].shape[1:]}, test samples of shape "
@@ -238,13 +249,64 @@ def make_partitioner(name: str, cls: type, clients: int, seed: int, args: dict |
         if k not in params:
             raise ConfigError(f"partition flwr:{name} has no argument {k!r}; its arguments: "
                               f"{', '.join(sorted(params - {'num_partitions'}))}")
+    signature = inspect.signature(cls.__init__).parameters
+    for k, v in kw.items():  # the partitioner's own checks say little of a wrong type ("'>=' not supported")
+        kinds = _kinds(signature[k].annotation)
+        if kinds and not _fits(v, kinds):
+            if _KINDS[float] in kinds:
+                kinds = kinds - {_KINDS[int]}
+            raise ConfigError(f"partition flwr:{name}: partition.{k} expects {words(sorted(kinds), 'or')}, got "
+                              f"{show(v)} (--set partition.{k}=VALUE)")
     for k, v in (("num_partitions", clients), ("partition_by", "label"), ("seed", seed)):
         if k in params:
             kw.setdefault(k, v)
     try:
-        return cls(**kw)
+        with warnings.catch_warnings():  # its warnings are no part of fedlt's one line
+            warnings.simplefilter("ignore")
+            return cls(**kw)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"partition flwr:{name}: {one_line(e)}") from None
+
+
+_KINDS = {bool: "true or false", int: "an int", float: "a number", str: "text", type(None): "none", list: "a list"}
+
+
+def _kinds(annotation) -> set[str]:
+    """What a partitioner's parameter annotation allows, in words (empty: not known, anything goes)."""
+    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+        return set()
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if args and origin in (typing.Union, types.UnionType):
+        out = set()
+        for a in args:
+            k = _kinds(a)
+            if not k:
+                return set()
+            out |= k
+        return out
+    if annotation in _KINDS:
+        return {_KINDS[annotation]}
+    if origin in (list, tuple) or annotation in (list, tuple) or \
+            (origin is not None and origin.__name__ in ("Sequence", "ndarray")) or annotation is np.ndarray:
+        return {_KINDS[list]}
+    return set()
+
+
+def _fits(v, kinds: set[str]) -> bool:
+    if isinstance(v, bool):
+        return _KINDS[bool] in kinds
+    if isinstance(v, int):
+        return bool(kinds & {_KINDS[int], _KINDS[float]})
+    if isinstance(v, float):
+        return _KINDS[float] in kinds
+    if v is None:
+        return _KINDS[type(None)] in kinds
+    if isinstance(v, (list, tuple)):
+        return _KINDS[list] in kinds
+    if isinstance(v, str):
+        return _KINDS[str] in kinds
+    return True
 
 
 def flwr_partition(name: str):
@@ -266,11 +328,19 @@ def flwr_partition(name: str):
             columns["group"] = np.asarray(groups)
         p.dataset = datasets.Dataset.from_dict(columns)
         try:
-            if p.num_partitions != num_clients:  # a partitioner whose sizes say how many (SizePartitioner)
-                raise ConfigError(f"partition flwr:{name} makes {p.num_partitions} partitions but the run has "
-                                  f"--clients {num_clients}; make them agree")
-            parts = [np.asarray(p.load_partition(k)["row"], np.int64) for k in range(num_clients)]
+            with warnings.catch_warnings():  # Flower Datasets' warnings (redraws): fedlt says one line
+                warnings.simplefilter("ignore")
+                if p.num_partitions != num_clients:  # a partitioner whose sizes say how many (SizePartitioner)
+                    raise ConfigError(f"partition flwr:{name} makes {p.num_partitions} partitions but the run has "
+                                      f"--clients {num_clients}; make them agree")
+                parts = [np.asarray(p.load_partition(k)["row"], np.int64) for k in range(num_clients)]
         except (ValueError, KeyError, TypeError, IndexError) as e:
+            least = (args or {}).get("min_partition_size", (args or {}).get("min-partition-size"))
+            if least is not None and "attempts" in str(e):  # Flower blames alpha for what min_partition_size asks
+                raise ConfigError(f"partition flwr:{name} could not give every client min_partition_size={least} "
+                                  f"samples ({len(labels)} samples over {num_clients} clients: "
+                                  f"{len(labels) // max(num_clients, 1)} each on average); lower "
+                                  f"partition.min_partition_size") from None
             raise ConfigError(f"partition flwr:{name}: {one_line(e)}") from None
         every = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         if len(np.unique(every)) < len(every):

@@ -453,8 +453,25 @@ def pm_note(ev: dict, sampled: int, population: int, missing: int) -> str | None
 
 
 def _progress(total: int, done: int, enabled: bool):
+    """The rounds' progress bar: on a terminal (or a notebook's widget) every update; where stderr is a pipe or a
+    file, whose log would hold every update one after another, at most one a minute."""
     if not enabled:
         return None
+    import sys
+
+    from tqdm import std
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=done, desc="rounds", unit="rnd", dynamic_ncols=True, leave=False)
+    try:
+        terminal = bool(sys.stderr.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        terminal = False
+    kw = dict(total=total, initial=done, desc="rounds", unit="rnd", dynamic_ncols=True, leave=False)
+    if terminal or any(c.__name__ == "tqdm_notebook" for c in tqdm.__mro__):  # a notebook draws a widget
+        return tqdm(**kw)
+
+    class Rare(std.tqdm):  # its postfix shown with the next rare update, not drawn on each round's
+        def set_postfix(self, ordered_dict=None, refresh=True, **more):
+            super().set_postfix(ordered_dict, refresh=False, **more)
+
+    return Rare(mininterval=60.0, maxinterval=600.0, **kw)

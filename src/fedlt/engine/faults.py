@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import read_speeds
+from ..config import RATE, SPEED_PURPOSE, client_speeds
 
-ONLINE, DROP, SPEED, SELECT = 20, 21, 22, 23  # generator purposes (engine.driver uses 10-13)
-RATE = 1000.0  # samples trained per simulated second by a client of speed 1
+ONLINE, DROP, SPEED, SELECT = 20, 21, SPEED_PURPOSE, 23  # generator purposes (engine.driver uses 10-13)
 PROFILES = ("always", "size", "tail")
 
 
@@ -96,9 +95,7 @@ class Faults:
         return availability(self.availability, self.availability_mean, counts, self.availability_skew)
 
     def speeds(self, num_clients: int, seed: int) -> np.ndarray:
-        if self.speed_file is not None:
-            return read_speeds(self.speed_file, num_clients)
-        return np.exp(self.speed_sigma * np.random.default_rng([seed, SPEED]).standard_normal(num_clients))
+        return client_speeds(self.speed_sigma, self.speed_file, num_clients, seed)
 
     def times(self, counts: np.ndarray, seed: int) -> np.ndarray:
         """Each client's simulated seconds for a round's local training."""

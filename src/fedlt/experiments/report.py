@@ -400,3 +400,22 @@ def write_report(root: str | Path, out: str | Path | None = None, which: str = "
         echo("clients per round (mean):\n" + clients)
     echo(f"report: {out / 'report.md'}")
     return out
+
+
+def group_metrics(out: Path) -> dict[str, float]:
+    """The comparison's final GM and PM per method (and setting, where a sweep has several), averaged over its
+    finished seeds, as percentages: ``final.GM/fedavg``, ``final.PM/setting-a/fedloge``. What a sweep's MLflow
+    parent run shows on its charts (its runs' own metrics are the nested runs')."""
+    import re
+
+    try:
+        runs, _, settings = collect(out)
+    except Exception:  # noqa: BLE001 -- no runs, or a damaged one: the report says so; the charts stay empty
+        return {}
+    cells: dict[str, list[float]] = {}
+    for r in runs:
+        for name, v in (r.metrics("final") if r.finished else {}).items():
+            if name in ("GM", "PM") and v is not None:
+                where = f"{r.setting}/{r.method}" if len(settings) > 1 else r.method
+                cells.setdefault(re.sub(r"[^A-Za-z0-9_\-./ ]", "_", f"final.{name}/{where}"), []).append(100 * v)
+    return {k: sum(v) / len(v) for k, v in cells.items()}

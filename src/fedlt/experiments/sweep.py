@@ -44,7 +44,7 @@ from typing import Any, Callable
 from ..config import RunConfig, load_config, name_part, read_toml
 from ..decl import show
 from ..errors import ConfigError, Diverged
-from ..preempt import Preempted, installed
+from ..preempt import DEFAULT_CHECKPOINT_EVERY, Preempted, installed
 
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
 SWEEP_KEYS = ("out", "seeds", "checkpoint_every", "base", "settings", "methods")
@@ -63,8 +63,9 @@ class Sweep:
     base: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, dict[str, Any]] = field(default_factory=lambda: {"default": {}})
     methods: dict[str, dict[str, Any]] = field(default_factory=lambda: {"fedavg": {}})
-    checkpoint_every: int = 1
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
     over: dict[str, Any] = field(default_factory=dict)  # the command line's settings for every run (they win)
+    typed: bool = False  # base, settings and methods come from a TOML file: a number there is no text
 
 
 @dataclass
@@ -117,11 +118,11 @@ def parse_sweep(d: dict, out: str, where: str = "sweep") -> Sweep:
         _check_label(label, where, "setting")
         _table(s, f"{where}: settings.{label}")
     methods = _methods(d.get("methods", ["fedavg"]), where)
-    ce = d.get("checkpoint_every", 1)
+    ce = d.get("checkpoint_every", DEFAULT_CHECKPOINT_EVERY)
     if not isinstance(ce, int) or ce < 0:
         raise ConfigError(f"{where}: checkpoint_every must be an integer >= 0 (0: no checkpoints), got {ce!r}")
     return Sweep(out=str(out), seeds=list(seeds), base=base, settings=settings, methods=methods,
-                 checkpoint_every=ce)
+                 checkpoint_every=ce, typed=True)
 
 
 def _table(v, what: str) -> dict:
@@ -194,7 +195,7 @@ def plan(sweep: Sweep) -> list[PlannedRun]:
                 merged.update(seed=seed, out=str(Path(sweep.out) / setting / label), name=f"seed{seed}",
                               params=params)
                 try:
-                    cfg = load_config(None, merged)
+                    cfg = load_config(None, merged, typed=set(merged) - set(sweep.over) if sweep.typed else ())
                 except ConfigError as e:
                     raise ConfigError(f"sweep run {setting}/{label}/seed{seed}: {e}") from None
                 runs.append(PlannedRun(label, setting, seed, cfg, sweep.out))
@@ -202,7 +203,7 @@ def plan(sweep: Sweep) -> list[PlannedRun]:
 
 
 def compare_sweep(base: RunConfig, methods: list[str], seeds: list[int], out: str | None = None,
-                  method_params: dict[str, dict] | None = None, checkpoint_every: int = 1) -> Sweep:
+                  method_params: dict[str, dict] | None = None, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> Sweep:
     """``fedlt compare``: several methods on the one setting of ``base``."""
     if not methods:
         raise ConfigError("compare needs at least one method (--methods fedavg,fedprox)")
@@ -247,7 +248,7 @@ def check_finished(run: PlannedRun) -> None:
                           f"delete it or use another sweep directory")
 
 
-def run_plan(runs: list[PlannedRun], checkpoint_every: int = 1, progress: bool = True,
+def run_plan(runs: list[PlannedRun], checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, progress: bool = True,
              echo: Callable[[str], None] = print, threads: int | None = None, jobs: int = 1,
              backend=None) -> dict[str, int]:
     """Run every planned run not finished yet: one after the other in this process (``jobs`` 1), or ``jobs``

@@ -166,7 +166,12 @@ def write_app(app_dir: str | Path, cfg: RunConfig, **flower: Any) -> Path:
     holds the run settings (``out`` made absolute: the ServerApp writes the run directory there). fedlt itself
     must be installed on the SuperLink's and every SuperNode's machine (runtime installation stays off)."""
     app_dir = Path(app_dir)
-    app_dir.mkdir(parents=True, exist_ok=True)
+    if app_dir.exists() and not app_dir.is_dir():
+        raise ConfigError(f"--app-dir {app_dir} is a file; give a folder (it is created where it is not there)")
+    try:
+        app_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, no permission
+        raise ConfigError(f"--app-dir {app_dir}: cannot create the folder ({e.strerror or e}); give another")
     cfg = RunConfig(**{**cfg.to_dict(), "out": str(Path(cfg.out).resolve())})
     conf = to_run_config(cfg, **flower)
     lines = [

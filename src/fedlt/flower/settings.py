@@ -23,6 +23,26 @@ FLOWER_DEFAULTS = {"round-timeout": 600.0, "wait-timeout": 300.0, "poll-interval
                    "checkpoint-every": float(DEFAULT_CHECKPOINT_EVERY), "resume": 0.0}
 
 
+def flower_value(name: str, v: Any) -> float:
+    """A Flower engine setting as a float: seconds > 0 (timeouts, poll interval), a count >= 0
+    (checkpoint-every) or 0/1 (resume); a one-line ConfigError for anything else (nan, -1, text)."""
+    import math
+
+    try:
+        x = float(v) if not isinstance(v, bool) else float(v)
+    except (TypeError, ValueError):
+        x = math.nan
+    if name == "resume":
+        ok, what = x in (0.0, 1.0), "0 or 1"
+    elif name == "checkpoint-every":
+        ok, what = math.isfinite(x) and x >= 0 and x.is_integer(), "a whole number >= 0"
+    else:
+        ok, what = math.isfinite(x) and x > 0, "a number of seconds > 0"
+    if not ok:
+        raise ConfigError(f"flower.{name} must be {what}, got {v!r}")
+    return x
+
+
 def to_run_config(cfg: RunConfig, **flower: Any) -> dict[str, Any]:
     """The nested dict for ``[tool.flwr.app.config]`` (Flower flattens ``params`` / ``flower`` with dots)."""
     out: dict[str, Any] = {}
@@ -30,15 +50,18 @@ def to_run_config(cfg: RunConfig, **flower: Any) -> dict[str, Any]:
         if f.name in ("params", "partition_args"):
             continue
         v = getattr(cfg, f.name)
+        if isinstance(v, (tuple, list)):  # a list setting (tracker) as its comma-separated text; empty: unset
+            v = ",".join(map(str, v)) or None
         out[f.name.replace("_", "-")] = "" if v is None else v
     scalar = lambda v: v if isinstance(v, (bool, int, float, str)) else str(v)  # noqa: E731  (lists as text)
     out["params"] = {k: scalar(v) for k, v in cfg.params.items()}
     if cfg.partition_args:  # a flwr: partition's arguments, read back as --set partition.KEY=VALUE
         out["partition-args"] = {k: scalar(v) for k, v in cfg.partition_args.items()}
-    opts = {**FLOWER_DEFAULTS, **{k.replace("_", "-"): float(v) for k, v in flower.items() if v is not None}}
-    unknown = set(opts) - set(FLOWER_DEFAULTS)
+    given = {k.replace("_", "-"): v for k, v in flower.items() if v is not None}
+    unknown = set(given) - set(FLOWER_DEFAULTS)
     if unknown:
         raise ConfigError(f"unknown Flower setting(s) {sorted(unknown)}; known: {sorted(FLOWER_DEFAULTS)}")
+    opts = {**FLOWER_DEFAULTS, **{k: flower_value(k, v) for k, v in given.items()}}
     out["flower"] = opts
     return out
 
@@ -68,11 +91,11 @@ def from_run_config(run_config: dict[str, Any]) -> tuple[RunConfig, dict[str, fl
             if name not in FLOWER_DEFAULTS:
                 raise ConfigError(f"unknown Flower setting {key!r}; known: "
                                   f"{', '.join('flower.' + k for k in FLOWER_DEFAULTS)}")
-            flower[name] = float(v)
+            flower[name] = flower_value(name, v)
         else:
             name = key.replace("-", "_")
             if name not in FIELDS or name == "params":
                 raise ConfigError(f"unknown run setting {key!r} in the Flower run config; see `fedlt run --help`")
-            over[name] = None if v == "" else v
+            over[name] = None if v in ("", "()", "[]") else v  # "()": an empty list as earlier versions wrote it
     over["params"] = params
     return load_config(None, over), flower
