@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fedlt.config import RunConfig  # noqa: E402
 from fedlt.engine import EngineConfig, Simulation  # noqa: E402
-from fedlt.rundir import federation_for, prepare  # noqa: E402
+from fedlt.runner.rundir import federation_for, prepare  # noqa: E402
 
 
 def simulation(method="fedavg", fed=None, **over) -> Simulation:

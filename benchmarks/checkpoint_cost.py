@@ -1,4 +1,4 @@
-"""Cost of one checkpoint (the default policy writes one after every round, fedlt.preempt): the size
+"""Cost of one checkpoint (the default policy writes one after every round, fedlt.runner.preempt): the size
 and the time of ``runstate.save_checkpoint`` (safetensors, fsync, rotation) for a ResNet-50 with a 1,000-class
 head (ImageNet-LT, FedLoGe's model) after some rounds, for FedAvg and FedLoGe, on this machine's CPU and disk.
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fedlt.core.method import RunSpec  # noqa: E402
 from fedlt.engine.simulation import rng_state  # noqa: E402
-from fedlt.runstate import CHECKPOINT, save_checkpoint  # noqa: E402
+from fedlt.runner.runstate import CHECKPOINT, save_checkpoint  # noqa: E402
 from fedlt.registry import METHODS  # noqa: E402
 
 

@@ -60,7 +60,7 @@ def child(argv: list[str]) -> None:
 
     from fedlt import cli
     from fedlt.engine import clientstate, driver
-    from fedlt import runstate
+    from fedlt.runner import runstate
 
     torch.set_num_threads(1)
     ckpt: list[int] = []
@@ -113,7 +113,7 @@ def interleaved(methods: list[str], ks: list[int], per_client: int, rounds: int)
 
     from fedlt.config import load_config
     from fedlt.engine import EngineConfig, Simulation
-    from fedlt.rundir import prepare
+    from fedlt.runner.rundir import prepare
 
     torch.set_num_threads(1)
     print(f"\ns/round measured in one process, rounds taken in turn ({rounds} each; median wall / median CPU)")

@@ -6,7 +6,7 @@ import os
 import threading
 from concurrent.futures import Future
 
-# experiment trackers (fedlt.trackers) in tests: nothing leaves the machine, nothing starts by default
+# experiment trackers (fedlt.runner.trackers) in tests: nothing leaves the machine, nothing starts by default
 for _k, _v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
                "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1", "FEDLT_TENSORBOARD": "0"}.items():
     os.environ.setdefault(_k, _v)
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from fedlt.config import RunConfig  # noqa: E402
 from fedlt.engine import EngineConfig, Simulation  # noqa: E402
-from fedlt.rundir import federation_for, prepare  # noqa: E402
+from fedlt.runner.rundir import federation_for, prepare  # noqa: E402
 
 torch.set_num_threads(1)
 

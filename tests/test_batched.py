@@ -19,7 +19,7 @@ from fedlt.devcheck import ImplicitDevice, ReplayedGraphs
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.engine import batched as batched_mod
 from fedlt.engine.simulation import client_parallel_chunk
-from fedlt.rundir import federation_for, prepare
+from fedlt.runner.rundir import federation_for, prepare
 from fedlt.registry import METHODS
 
 BATCHING = [m for m in METHODS.names() if METHODS.get(m).describes_steps()]

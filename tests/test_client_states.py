@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedlt import rundir
+from fedlt.runner import rundir
 from fedlt.core.method import Method
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.engine.clientstate import ClientStates, state_name
 from fedlt.data.partition import partition_settings
 from fedlt.engine.driver import TRAIN, client_generator
 from fedlt.errors import ConfigError
-from fedlt.rundir import federation_for, prepare
+from fedlt.runner.rundir import federation_for, prepare
 from fedlt.registry import METHODS
 from fedlt.safefile import load_tree
 
@@ -132,7 +132,7 @@ def test_the_settings_of_a_population_are_declared_and_checked():
 
 
 def test_a_resumed_run_may_change_its_memory_budget_but_not_its_evaluation_sample():
-    from fedlt.runstate import config_differences
+    from fedlt.runner.runstate import config_differences
 
     base = small_config().to_dict()
     assert config_differences(base, {**base, "client_state_memory": 10**6}) == []
@@ -254,7 +254,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {src!r})
     import fedlt.engine.clientstate as cs
-    from fedlt import rundir
+    from fedlt.runner import rundir
     from fedlt.config import RunConfig
 
     real, seen = cs.save_tree, [0]

@@ -188,7 +188,7 @@ def test_soft_limits_are_passed_on_purpose_and_float32_overflow_is_refused():
 def test_a_run_directory_from_before_a_setting_existed_still_resumes():
     """A saved config without a newer setting compares as that setting's default (and --allow-large, which
     changes no number, is never compared)."""
-    from fedlt.runstate import NOT_COMPARED, config_differences
+    from fedlt.runner.runstate import NOT_COMPARED, config_differences
 
     current = json.loads(json.dumps(RunConfig().to_dict()))
     saved = {k: v for k, v in current.items() if k not in ("allow_large", "lr_gamma")}
@@ -238,7 +238,7 @@ def test_method_parameters_are_checked_by_the_base_class_however_params_are_made
 
 
 def test_a_resumed_run_from_before_none_reads_the_old_sentinel_as_none():
-    from fedlt.runstate import config_differences
+    from fedlt.runner.runstate import config_differences
 
     current = {"method": "fedloge", "method_params": {"beta": None, "head_lr": None, "fixed": "sse-c"}}
     saved = {"method": "fedloge", "method_params": {"beta": -1.0, "head_lr": -1.0, "fixed": "sse-c"}}

@@ -339,7 +339,7 @@ def test_a_checkpoint_missing_a_section_is_a_one_line_error_naming_it(tmp_path, 
     import torch
 
     from fedlt.errors import ConfigError
-    from fedlt.runstate import CHECKPOINT, load_checkpoint
+    from fedlt.runner.runstate import CHECKPOINT, load_checkpoint
     from fedlt.safefile import save_tree
 
     sim = {"round": 1, "state": {"w": torch.zeros(2)}, "client_states": {}, "history": [{"round": 1}],

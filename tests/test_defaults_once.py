@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fedlt"
-# files whose literal checkpoint default waits for its owner's edit (fedlt.preempt.DEFAULT_CHECKPOINT_EVERY)
+# files whose literal checkpoint default waits for its owner's edit (fedlt.runner.preempt.DEFAULT_CHECKPOINT_EVERY)
 PENDING: set[str] = set()
 
 
@@ -20,7 +20,7 @@ def default(fn, name):
 def test_the_checkpoint_default_is_preempts_constant():
     from fedlt import api
     from fedlt.experiments import reproduce
-    from fedlt.preempt import DEFAULT_CHECKPOINT_EVERY
+    from fedlt.runner.preempt import DEFAULT_CHECKPOINT_EVERY
 
     for fn in (api.compare, api.reproduce, reproduce.plan_reproduction):
         assert default(fn, "checkpoint_every") == DEFAULT_CHECKPOINT_EVERY, fn.__qualname__

@@ -16,7 +16,7 @@ from conftest import method_test_params, small_config
 from fedlt.data.federated import placement
 from fedlt.devcheck import HostSyncs, ImplicitDevice
 from fedlt.engine import EngineConfig, Simulation
-from fedlt.rundir import federation_for, prepare
+from fedlt.runner.rundir import federation_for, prepare
 from fedlt.registry import METHODS
 
 _FED = {}

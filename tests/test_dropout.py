@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedlt import rundir
+from fedlt.runner import rundir
 from fedlt.cli import main as cli_main
 from fedlt.config import load_config
 from fedlt.engine import EngineConfig
@@ -237,7 +237,7 @@ def test_a_run_where_no_reply_ever_arrives_keeps_its_initial_model(tmp_path, cap
 CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {src!r})
-    from fedlt import rundir
+    from fedlt.runner import rundir
     from fedlt.config import RunConfig
     from fedlt.engine.driver import Driver
 

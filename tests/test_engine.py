@@ -65,7 +65,7 @@ def test_runs_are_reproducible_and_independent_of_client_order():
     # reverse the visiting order inside each round: every (round, client) has its own generator
     from conftest import small_config
     from fedlt.engine import EngineConfig, Simulation
-    from fedlt.rundir import prepare
+    from fedlt.runner.rundir import prepare
     cfg = small_config(rounds=2)
     pr = prepare(cfg, sim1.fed)
     sim3 = Simulation(pr.method, pr.fed, EngineConfig(2, cfg.participation, 1, 0, progress=False))

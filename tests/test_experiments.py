@@ -10,13 +10,14 @@ import pytest
 import torch
 
 import fedlt.experiments
-from fedlt import rundir, safefile
+from fedlt import safefile
 from fedlt.cli import main as cli_main
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.errors import ConfigError
-from fedlt.rundir import federation_for, prepare
+from fedlt.runner import rundir
+from fedlt.runner.rundir import federation_for, prepare
 from fedlt.experiments import report as R
-from fedlt.runstate import load_final_state
+from fedlt.runner.runstate import load_final_state
 from fedlt.experiments.sweep import Sweep, parse_sweep, plan, run_plan
 from fedlt.registry import METHODS
 

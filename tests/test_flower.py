@@ -14,7 +14,7 @@ pytest.importorskip("flwr")
 from conftest import _FEDS, method_test_params, run_small, small_config  # noqa: E402
 from fedlt.core.method import Message  # noqa: E402
 from fedlt.errors import ConfigError  # noqa: E402
-from fedlt.rundir import federation_for  # noqa: E402
+from fedlt.runner.rundir import federation_for  # noqa: E402
 from fedlt.codec import pack, unpack  # noqa: E402
 from fedlt.flower.inprocess import InProcessGrid, run_inprocess, server_identity  # noqa: E402
 from fedlt.flower.records import CSTATE_ARRAYS, from_records, to_records  # noqa: E402
@@ -384,7 +384,7 @@ def test_a_stopped_flower_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp
     import time
 
     from fedlt.cli import main as cli_main
-    from fedlt.runstate import CHECKPOINT
+    from fedlt.runner.runstate import CHECKPOINT
 
     args = ["flower", "inprocess", "--method", "fedloge", "--set", "sse_steps=200", "--dataset", "digits", "--rho",
             "10", "--clients", "3", "--alpha", "1", "--rounds", "5", "--eval-every", "1", "--local-epochs", "1",
@@ -427,7 +427,7 @@ def test_a_resumed_deployment_rolls_every_client_back_to_the_checkpointed_round(
     uninterrupted one: server weights, GM and PM per client, and every client's final state."""
     import signal
 
-    from fedlt.preempt import Preempted
+    from fedlt.runner.preempt import Preempted
     from fedlt.flower.records import load_client_state
 
     params = FAST.get(method, {})

@@ -20,7 +20,7 @@ pytest.importorskip("flwr")
 
 from conftest import background, job_result, run_small  # noqa: E402
 from flowercluster import Cluster, records  # noqa: E402
-from fedlt.runstate import load_final_state  # noqa: E402
+from fedlt.runner.runstate import load_final_state  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ def resume_scenario(tmp: Path, method: str) -> dict:
     (a new node: the round's message is sent to it again). The run ends with the simulation's weights, GM and
     every client's PM (FedLoGe: after its GA-FR and LA-FR phases): each client was rolled back to its state of the
     checkpointed round, and none is recorded missing."""
-    from fedlt.runstate import checkpointed_round
+    from fedlt.runner.runstate import checkpointed_round
 
     settings = ["--dataset", "digits", "--imbalance-ratio", "10", "--alpha", "1.0", "--clients", "3",
                 "--participation", "2", "--rounds", "2", "--eval-every", "2", "--local-epochs", "1", "--batch-size",

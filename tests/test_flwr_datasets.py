@@ -18,7 +18,7 @@ pytest.importorskip("flwr_datasets")
 from fedlt.config import load_config  # noqa: E402
 from fedlt.data import load_dataset  # noqa: E402
 from fedlt.errors import ConfigError, DataError  # noqa: E402
-from fedlt.rundir import federation_for  # noqa: E402
+from fedlt.runner.rundir import federation_for  # noqa: E402
 
 
 def fedlt(*args):

@@ -13,7 +13,7 @@ from fedlt.core.server_opt import momentum_direction
 from fedlt.core.training import effective_steps
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.errors import ConfigError
-from fedlt.rundir import federation_for, prepare
+from fedlt.runner.rundir import federation_for, prepare
 from fedlt.methods.fedadam import FedAdam
 from fedlt.methods.fedexp import FedExP
 from fedlt.methods.fedntd import ntd_loss, ntd_term

@@ -16,7 +16,7 @@ import torch
 
 from conftest import informative_clip_files, method_test_params, small_config
 from fedlt.engine import EngineConfig, Simulation
-from fedlt.rundir import federation_for, prepare
+from fedlt.runner.rundir import federation_for, prepare
 from fedlt.registry import METHODS
 
 pytestmark = [pytest.mark.gpu,

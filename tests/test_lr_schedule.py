@@ -59,8 +59,8 @@ def test_unknown_schedule_on_the_command_line_exits_2(capsys):
 
 def test_each_rounds_lr_is_logged_and_a_resumed_run_has_the_same_sequence(tmp_path, monkeypatch):
     from fedlt.engine.simulation import Simulation
-    from fedlt.rundir import prepare, run
-    from fedlt.runstate import CHECKPOINT
+    from fedlt.runner.rundir import prepare, run
+    from fedlt.runner.runstate import CHECKPOINT
 
     over = dict(dataset="synthetic", model="mlp", clients=4, participation=1.0, local_epochs=1, eval_every=2,
                 lr=0.1, lr_schedule="step", lr_milestones="1,2", lr_gamma=0.5, threads=1, out=str(tmp_path), rounds=3)
@@ -89,7 +89,7 @@ def test_flower_clients_follow_the_schedule_like_the_simulation(tmp_path):
 
     from conftest import small_config
     from fedlt.engine import EngineConfig, Simulation
-    from fedlt.rundir import prepare
+    from fedlt.runner.rundir import prepare
     from fedlt.flower.inprocess import run_inprocess
 
     def sim_state(cfg, schedule=True):
@@ -117,7 +117,7 @@ def test_the_rounds_lr_is_in_every_message_and_the_spec_never_changes():
 
     from conftest import method_test_params, small_config
     from fedlt.engine import EngineConfig, Simulation
-    from fedlt.rundir import prepare
+    from fedlt.runner.rundir import prepare
 
     cfg = small_config(method="fedloge", params=method_test_params("fedloge"), rounds=3, eval_every=3,
                        local_epochs=1, lr_schedule="step", lr_milestones="1,2", lr_gamma=0.5)
@@ -155,7 +155,7 @@ def test_every_method_trains_at_the_lr_its_message_carries(method):
     are bit for bit the same. A client hook that read its lr from the spec instead of the message fails here."""
     from conftest import method_test_params, small_config
     from fedlt.engine.driver import PHASE, TRAIN, client_generator
-    from fedlt.rundir import federation_for, prepare
+    from fedlt.runner.rundir import federation_for, prepare
 
     over = dict(method=method, params=method_test_params(method), rounds=2, local_epochs=1, clients=4)
     cfg_a = small_config(lr=0.04, lr_schedule="step", lr_milestones="1", lr_gamma=0.25, **over)

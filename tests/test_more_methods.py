@@ -314,7 +314,7 @@ def test_fedic_distils_a_model_better_on_the_tail_than_fedavg(trained):
 def clip_files():
     """conftest's informative tiny CLIP teacher (zero-shot about 50 % on the digits) and the federation."""
     from conftest import informative_clip_files, small_config
-    from fedlt.rundir import federation_for
+    from fedlt.runner.rundir import federation_for
 
     return informative_clip_files(), federation_for(small_config())
 

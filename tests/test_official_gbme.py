@@ -128,7 +128,7 @@ def test_a_collapsed_global_model_is_said_once(small, monkeypatch):
     the class; a model that learns (the fixture's FedAvg) is never flagged."""
     import fedlt.metrics as metrics
     from fedlt.engine import EngineConfig, Simulation
-    from fedlt.rundir import federation_for, prepare
+    from fedlt.runner.rundir import federation_for, prepare
     from conftest import small_config
 
     cfg = small_config(rounds=4, eval_every=2)

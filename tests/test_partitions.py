@@ -13,7 +13,7 @@ from fedlt.config import load_config
 from fedlt.data.longtail import longtail_indices
 from fedlt.data.partition import count_matrix, least_samples, partition
 from fedlt.errors import ConfigError
-from fedlt.runstate import load_final_state
+from fedlt.runner.runstate import load_final_state
 
 
 def lt_labels(C=10, n=300, rho=10.0):

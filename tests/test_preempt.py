@@ -14,9 +14,9 @@ import time
 import pytest
 
 from fedlt.cli import main as cli_main
-from fedlt import preempt
+from fedlt.runner import preempt
 from fedlt.experiments import report as R
-from fedlt.runstate import load_checkpoint
+from fedlt.runner.runstate import load_checkpoint
 from fedlt.experiments.sweep import load_sweep, plan, run_plan
 
 from slowsite import slow_env, sweep_grid
@@ -118,7 +118,7 @@ def test_a_signal_just_after_a_round_is_logged_waits_for_that_rounds_checkpoint(
     """The window the test above can hit by chance, hit on purpose: SIGTERM arrives the moment round 2's record
     is in metrics.jsonl, before its checkpoint. The run stops after that checkpoint: round 2 is logged and saved
     (not logged and lost), and the stop line says so."""
-    from fedlt.runstate import MetricsLog
+    from fedlt.runner.runstate import MetricsLog
 
     real = MetricsLog.__call__
 

@@ -21,8 +21,8 @@ from fedlt.data.datasets import load_dataset
 from fedlt.engine import Simulation
 from fedlt.errors import ConfigError, DataError, Diverged
 from fedlt.experiments import report as R
-from fedlt.divergence import DivergenceCheck, nonfinite_entry
-from fedlt.runstate import CHECKPOINT, PREVIOUS, load_checkpoint, load_final_state
+from fedlt.runner.divergence import DivergenceCheck, nonfinite_entry
+from fedlt.runner.runstate import CHECKPOINT, PREVIOUS, load_checkpoint, load_final_state
 from fedlt.experiments.sweep import parse_sweep, plan, run_plan, visible_gpus, worker_devices
 
 from conftest import dies_in_round

@@ -1,4 +1,4 @@
-"""Experiment trackers (fedlt.trackers) with the real libraries, offline: what MLflow, W&B and TensorBoard hold
+"""Experiment trackers (fedlt.runner.trackers) with the real libraries, offline: what MLflow, W&B and TensorBoard hold
 is what metrics.jsonl holds, once per step, across a kill -9 and --resume; sweeps are grouped; a failing
 tracker never stops a run; a tracker that is not installed is a one-line error before anything runs."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ pytest.importorskip("wandb")
 
 from fedlt.cli import main as cli_main  # noqa: E402
 from fedlt.config import load_config  # noqa: E402
-from fedlt.rundir import run  # noqa: E402
-from fedlt.trackers import wandb_records  # noqa: E402
+from fedlt.runner.rundir import run  # noqa: E402
+from fedlt.runner.trackers import wandb_records  # noqa: E402
 
 from slowsite import slow_env  # noqa: E402
 
@@ -47,7 +47,7 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-# what each round's record says, by hand (not through fedlt.trackers.metrics_of)
+# what each round's record says, by hand (not through fedlt.runner.trackers.metrics_of)
 EXPECTED = {
     "train_loss": lambda r: r["train_loss"],
     "lr": lambda r: r["lr"],

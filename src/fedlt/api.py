@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 from .config import RunConfig, load_config
 from .errors import ConfigError
 from .jsonutil import read_json, read_json_lines
-from .preempt import DEFAULT_CHECKPOINT_EVERY
+from .runner.preempt import DEFAULT_CHECKPOINT_EVERY
 
 Echo = Callable[[str], None]
 METRICS = ("GM", "many", "medium", "few", "PM")
@@ -135,7 +135,7 @@ class RunResult:
     def status(self) -> str:
         if self.summary is not None:
             return str(self.summary.get("status", "finished"))
-        from .runstate import LEGACY, has_checkpoint
+        from .runner.runstate import LEGACY, has_checkpoint
 
         return "partial" if has_checkpoint(self.dir) or (self.dir / LEGACY[0]).is_file() else "not started"
 
@@ -282,14 +282,14 @@ def run(config: RunConfig | Mapping | str | os.PathLike | None = None, /, *, pro
     (``on_diverge="stop"``, the default) raises :class:`~fedlt.errors.Diverged` (exit status 3 on the command
     line) once its summary says so; :func:`load` of its directory then gives a result with status
     ``diverged``."""
-    from . import rundir
+    from .runner import rundir
 
     cfg = make_config(config, **settings)
     if resume and not cfg.name:
         raise ConfigError("resuming needs a run name (--name, name=...), so that a rerun finds the same run "
                           "directory")
     if resume:
-        from .runstate import check_resumable
+        from .runner.runstate import check_resumable
 
         check_resumable(rundir.run_dir_for(cfg))
     if checkpoint_every is None:
@@ -390,21 +390,21 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
           if counts.get("diverged") else ""))
     rep = None
     if report:
-        from .runstate import run_lock
+        from .runner.runstate import run_lock
 
         with run_lock(Path(sw.out) / "report", wait=True):  # two sweeps on one folder: one report writer at a time
             rep = write_report(sw.out, which=metric, echo=echo)
     if tracked and report:  # (reproduce writes its report itself, then ends the group)
         from .experiments.report import group_metrics
-        from .trackers import end_group
+        from .runner.trackers import end_group
 
         end_group(sw.out, Path(rep) if rep is not None else None, metrics=group_metrics(Path(sw.out)))
     return result(counts, rep)
 
 
 def group_trackers(out: str, runs) -> bool:
-    """A sweep's runs tracked as one group (:func:`fedlt.trackers.start_group`); whether they are tracked."""
-    from .trackers import active, start_group
+    """A sweep's runs tracked as one group (:func:`fedlt.runner.trackers.start_group`); whether they are tracked."""
+    from .runner.trackers import active, start_group
 
     names = sorted({n for r in runs for n in active(r.cfg.tracker)} - {"tensorboard"})
     if names:
@@ -457,10 +457,10 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
     the table (default all of it); ``seeds`` default 0, 1, 2; ``rounds``: R rounds per run, or a fraction < 1
     of the paper's, for a first look; ``overrides``: run settings replaced for every run (the report says so).
     Resumable and parallel as :func:`sweep`; ``tracker``: experiment trackers of every run, grouped under the
-    reproduction (:mod:`fedlt.trackers`). ``dry_run``: list the runs and where the data is; write nothing.
+    reproduction (:mod:`fedlt.runner.trackers`). ``dry_run``: list the runs and where the data is; write nothing.
     Missing data raises a one-line :class:`~fedlt.errors.DataError` before anything is written."""
     from .experiments import reproduce as R
-    from .runstate import run_lock
+    from .runner.runstate import run_lock
     from .experiments.sweep import plan as plan_runs
 
     echo = echo or _quiet
@@ -486,7 +486,7 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
         path = R.write(rep, rows, echo=echo)
     if any(r.cfg.tracker for r in runs):
         from .experiments.report import group_metrics
-        from .trackers import end_group
+        from .runner.trackers import end_group
 
         end_group(rep.out, path.parent, metrics=group_metrics(Path(rep.out)))
     cmp.report_dir = path.parent

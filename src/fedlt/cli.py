@@ -3,7 +3,7 @@ defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``main(args) -> int``.
 
 Bad input (an unknown name, an impossible setting, a missing or corrupt data file) ends with one line on
 stderr and exit status 2, no traceback; a run that diverged, with one line and exit status 3; a run or sweep
-stopped by SIGTERM, SIGINT or SIGUSR1 (:mod:`fedlt.preempt`), with one line saying how to resume
+stopped by SIGTERM, SIGINT or SIGUSR1 (:mod:`fedlt.runner.preempt`), with one line saying how to resume
 and exit status 128 + the signal's number (143, 130, 138); a deployed Flower run that lost its SuperLink, with one
 line saying which round is checkpointed and how to resume, and exit status 75 (EX_TEMPFAIL).
 """
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .preempt import Preempted, installed
+    from .runner.preempt import Preempted, installed
 
     args = build_parser().parse_args(argv)
     try:

@@ -56,7 +56,7 @@ def _ratio_hint(rho: float) -> str:
 
 
 DATA, TRAIN, OUTPUT = "data", "training", "evaluation and output"
-# experiment trackers (fedlt.trackers): the package each needs, and how to install it
+# experiment trackers (fedlt.runner.trackers): the package each needs, and how to install it
 TRACKERS = {"mlflow": ("mlflow", "pip install 'fedlt[mlflow]'"), "wandb": ("wandb", "pip install 'fedlt[wandb]'"),
             "tensorboard": ("tensorboard", "pip install 'fedlt[tensorboard]'")}
 INT32 = 2**31 - 1

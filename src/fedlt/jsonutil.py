@@ -1,7 +1,7 @@
 """JSON for what runs write (config.json, summary.json, metrics.jsonl): numpy numbers and arrays as plain ones,
 and a layout that stays fast and readable at 100,000 clients (:func:`dumps`).
 
-A module of its own, under both :mod:`fedlt.rundir` and :mod:`fedlt.runstate` (and the Flower
+A module of its own, under both :mod:`fedlt.runner.rundir` and :mod:`fedlt.runner.runstate` (and the Flower
 strategy), so none of them reaches back into another for it.
 """
 from __future__ import annotations

@@ -206,8 +206,8 @@ def _flwr_run(argv: list[str], env: dict, follow: bool, out: Path | None = None,
 def _lost_line(superlink: str, run_id: str | None, out: Path | None, name: str | None) -> str:
     """What a `fedlt flower run` that lost its SuperLink says: the round its run directory has checkpointed (when
     that directory is on this machine) and how to go on."""
-    from ..preempt import again
-    from ..runstate import checkpointed_round
+    from ..runner.preempt import again
+    from ..runner.runstate import checkpointed_round
 
     if run_id is None:
         return f"cannot reach the SuperLink at {superlink}; start it (fedlt flower superlink) or fix --superlink"
@@ -245,7 +245,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if cmd == "run":
         from ..config import RunConfig
-        from ..rundir import run_dir_for
+        from ..runner.rundir import run_dir_for
 
         name = cfg.name  # as given: a run named here is resumed with its name (preempt.again)
         if name is None:  # named here, so that this command knows the run directory the ServerApp writes
@@ -265,7 +265,7 @@ def main(args: argparse.Namespace) -> int:
         finally:
             shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)
     if cmd == "simulate":
-        from ..preempt import Preempted
+        from ..runner.preempt import Preempted
         from ..flower.simulation import backend_config_of, run_simulation
 
         backend = backend_config_of(args.cpus_per_client, args.gpus_per_client, args.ray_address, args.backend_config)

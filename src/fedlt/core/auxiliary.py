@@ -22,7 +22,7 @@ def auxiliary_set(spec, per_class: int, who: str = "ratioloss"):
     d = spec.data
     if not d.get("dataset"):
         raise ConfigError(f"{who} needs the run's data settings (RunSpec.data) to draw its server-side "
-                          "auxiliary set; build the spec with fedlt.rundir.make_spec")
+                          "auxiliary set; build the spec with fedlt.runner.rundir.make_spec")
     ds = load_dataset(d["dataset"], d.get("data_dir"), **d.get("dataset_kw", {}))
     y = ds.y_train.numpy()
     keep = longtail_indices(y, ds.num_classes, d["imbalance_ratio"], d.get("seed", spec.seed),

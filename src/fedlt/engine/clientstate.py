@@ -17,7 +17,7 @@ it is compacted, and compacting it rewrites every client -- what a checkpoint mu
 Every stored state carries the round it reflects (its *tag*: the training round that wrote it; a post-training
 phase's states are tagged after the last round). A store may keep several versions of one client: the ones a
 checkpoint refers to stay until two newer checkpoints are written, so a run can always be resumed from either
-of the checkpoints a run directory keeps (``fedlt.runstate``).
+of the checkpoints a run directory keeps (``fedlt.runner.runstate``).
 
 Checkpoints are incremental (:meth:`ClientStates.commit`): the states changed since the last one are written and
 flushed to disk, the others are already there, and the checkpoint itself holds only the index ``{client:

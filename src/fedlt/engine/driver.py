@@ -5,7 +5,7 @@ round loop (train, the ``after_train`` hooks such as the divergence check, evalu
 rounds and after the last, the ``after_round`` hooks such as checkpoints), the post-training phases, the final
 evaluation, the clients missing from a round, and the state a checkpoint holds (:meth:`Driver.state_dict`).
 The run directory around it (config, partition, metrics, checkpoints, resume, summary) is
-:func:`fedlt.rundir.run_recorded`, also once for every engine.
+:func:`fedlt.runner.rundir.run_recorded`, also once for every engine.
 
 How a round's payloads reach the clients and their replies come back is a :class:`Transport`:
 

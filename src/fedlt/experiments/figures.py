@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from ..errors import ConfigError  # noqa: E402
 from ..jsonutil import read_json  # noqa: E402
-from ..runstate import head_like, load_final_state  # noqa: E402
+from ..runner.runstate import head_like, load_final_state  # noqa: E402
 
 
 STYLES = ("-o", "--s", "-.^", ":D", "-v", "--P", "-.X", ":*")  # overlapping methods stay distinguishable

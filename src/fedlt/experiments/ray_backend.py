@@ -95,7 +95,7 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
                echo, counts: dict) -> list:
     """Run ``todo`` (index, PlannedRun) as Ray tasks; an overall bar and one line per finished run, as
     ``sweep._run_parallel``. Returns the runs another process held (the caller waits for them)."""
-    from ..preempt import as_preempted, retake
+    from ..runner.preempt import as_preempted, retake
     from .sweep import _runs_bar, _settle, _where
 
     ray = require_ray()

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from ..errors import ConfigError, DataError
 from ..papers import Table, tables
-from ..preempt import DEFAULT_CHECKPOINT_EVERY
+from ..runner.preempt import DEFAULT_CHECKPOINT_EVERY
 from ..engine.driver import clients_per_round
 from .report import METRIC_TEXT
 from .sweep import DATA_FIELDS, LABEL, Sweep

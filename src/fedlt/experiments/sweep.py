@@ -44,7 +44,7 @@ from typing import Any, Callable
 from ..config import RunConfig, load_config, name_part, read_toml
 from ..decl import show
 from ..errors import ConfigError, Diverged
-from ..preempt import DEFAULT_CHECKPOINT_EVERY, Preempted, installed
+from ..runner.preempt import DEFAULT_CHECKPOINT_EVERY, Preempted, installed
 
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
 SWEEP_KEYS = ("out", "seeds", "checkpoint_every", "base", "settings", "methods")
@@ -87,7 +87,7 @@ class PlannedRun:
     def status(self) -> str:
         """done (summary.json: finished or diverged), partial (a checkpoint, or a fedlt 0.1 one, which
         resuming refuses with a one-line error), or new."""
-        from ..runstate import LEGACY, has_checkpoint
+        from ..runner.runstate import LEGACY, has_checkpoint
 
         if (self.dir / "summary.json").is_file():
             return "done"
@@ -233,7 +233,7 @@ def federation_key(cfg: RunConfig) -> tuple:
 
 def check_finished(run: PlannedRun) -> None:
     """A finished run is reused only if it was made with the same settings."""
-    from ..runstate import config_differences
+    from ..runner.runstate import config_differences
 
     from ..jsonutil import read_json
 
@@ -256,7 +256,7 @@ def run_plan(runs: list[PlannedRun], checkpoint_every: int = DEFAULT_CHECKPOINT_
     resumed from a checkpoint, started afresh, finished by another process meanwhile, and how many of those
     run here diverged.
 
-    Every run is done under its lock (:func:`fedlt.runstate.run_lock`), so two sweeps on one
+    Every run is done under its lock (:func:`fedlt.runner.runstate.run_lock`), so two sweeps on one
     folder (or the workers of one) never work on the same run: a run locked by another process is left
     for the end, then waited for, and run here only if that process stopped before finishing it. A run that
     diverges is recorded (its summary says so) and the sweep carries on. ``backend``: a
@@ -314,8 +314,8 @@ def _execute(r: PlannedRun, checkpoint_every: int, threads: int | None, progress
     elsewhere: finished by another process before the lock was ours, busy: locked by another process),
     ``line`` (its result for the progress output) and ``diverged``. ``announce(kind)`` is called once the
     run is ours, before it runs."""
-    from ..rundir import federation_for, prepare, run
-    from ..runstate import lock_holder, run_lock
+    from ..runner.rundir import federation_for, prepare, run
+    from ..runner.runstate import lock_holder, run_lock
 
     with run_lock(r.dir) as mine:
         if not mine:
@@ -354,7 +354,7 @@ def _count(counts: dict, res: dict) -> None:
 def _run_here(todo, n, checkpoint_every, threads, progress, echo, counts, wait: bool) -> list:
     """Run ``todo`` one after the other in this process; returns those another process holds (unless
     ``wait``: then wait for each lock, and run what that process left unfinished)."""
-    from ..runstate import run_lock
+    from ..runner.runstate import run_lock
 
     busy = []
     for i, r in todo:
@@ -474,7 +474,7 @@ def _run_parallel(todo, n, jobs, checkpoint_every, threads, progress, echo, coun
 
 def _worker_main(device, tasks, results, checkpoint_every: int, threads: int) -> None:
     """One worker process: runs from ``tasks`` until a None (or until its parent is gone). SIGTERM (from the
-    parent, or a scheduler) stops it at once, the run's checkpoints intact (:mod:`fedlt.preempt`)."""
+    parent, or a scheduler) stops it at once, the run's checkpoints intact (:mod:`fedlt.runner.preempt`)."""
     import traceback
 
     from ..errors import FedltError

@@ -114,7 +114,7 @@ def _method(job: Job, device: str) -> Method:
 
 
 def _partition_client(job: Job, pid: int, device: str) -> ClientData:
-    from ..rundir import federation_for
+    from ..runner.rundir import federation_for
 
     cfg = job.cfg
     if not 0 <= pid < cfg.clients:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config import FIELDS, RunConfig, load_config
 from ..errors import ConfigError
-from ..preempt import DEFAULT_CHECKPOINT_EVERY
+from ..runner.preempt import DEFAULT_CHECKPOINT_EVERY
 
 FLOWER_DEFAULTS = {"round-timeout": 600.0, "wait-timeout": 300.0, "poll-interval": 0.5,
                    "checkpoint-every": float(DEFAULT_CHECKPOINT_EVERY), "resume": 0.0}

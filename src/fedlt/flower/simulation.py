@@ -18,9 +18,9 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..rundir import run_dir_for
-from ..preempt import Preempted, again, retake, stopped_without_checkpoint
-from ..runstate import has_checkpoint
+from ..runner.rundir import run_dir_for
+from ..runner.preempt import Preempted, again, retake, stopped_without_checkpoint
+from ..runner.runstate import has_checkpoint
 
 INSTALL = "pip install 'fedlt[simulation]'"
 POLL = 0.01  # s between the server's looks for replies: in one process these are cheap (a SuperLink's default: 0.5)
@@ -97,7 +97,7 @@ def run_simulation(cfg: RunConfig, backend_config: dict | None = None, **flower)
 def _init_ray(init_args: dict) -> None:
     """Start (or join) Ray as Flower's runtime would (its ``init_ray`` then finds it running), and take the
     scheduler's signals back from it: ray.init's own SIGTERM handler aborts the process, ours stops the run with
-    one line and its checkpoint kept (:mod:`fedlt.preempt`)."""
+    one line and its checkpoint kept (:mod:`fedlt.runner.preempt`)."""
     import os
     import sys
 

@@ -11,7 +11,7 @@ messages:
    ``train.phase``, ``evaluate`` with ``method.eval_payload``); the replies that come back within
    ``round_timeout`` count, failed or silent clients are recorded as missing. GM is computed on the server
    (balanced test set), PM on the clients, aggregated as the simulation does.
-3. the run directory, checkpoints and resume as for every engine (``fedlt.rundir.run_recorded``), plus the
+3. the run directory, checkpoints and resume as for every engine (``fedlt.runner.rundir.run_recorded``), plus the
    missing clients of every round in ``summary.json``.
 
 The classic ``Strategy.start`` also works (training rounds and the per-round evaluation through
@@ -39,7 +39,7 @@ from ..data.federated import Prep
 from ..engine.clientstate import ClientStates
 from ..engine.driver import TRAINING, Driver, EngineConfig, is_eval_round
 from ..errors import ConfigError
-from ..rundir import make_spec, run_dir_for, run_recorded
+from ..runner.rundir import make_spec, run_dir_for, run_recorded
 from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
 from ..plugins import method_class
 from .client_app import global_state_records, job_text
@@ -275,9 +275,9 @@ class FedltStrategy(Strategy):
     # ------------------------------------------------------------------ the run
     def run(self, grid: Grid, out: Path | None = None, *, checkpoint_every: int = 0, resume: bool = False) -> dict:
         """The whole run by the run driver over ``grid``; writes the run directory (``cfg.out``/``cfg.name``)
-        as every engine does (``fedlt.rundir.run_recorded``: checkpoints every ``checkpoint_every``
+        as every engine does (``fedlt.runner.rundir.run_recorded``: checkpoints every ``checkpoint_every``
         rounds, ``resume`` from one) and returns the summary."""
-        from ..runstate import check_resumable, owned_run_dir
+        from ..runner.runstate import check_resumable, owned_run_dir
 
         cfg = self.cfg
         out = Path(out) if out is not None else run_dir_for(cfg)

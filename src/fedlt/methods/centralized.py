@@ -4,7 +4,7 @@ traditional cross entropy loss").
 
 One node holds the union of all clients' training data (``Federation.pooled()``: the same long-tailed set
 the federation was cut from). The method asks for it with the class attribute ``needs_pool = True``; the
-run layer (``fedlt.rundir.prepare``) then hands the pool to the method (``method.pool``) before the run. The
+run layer (``fedlt.runner.rundir.prepare``) then hands the pool to the method (``method.pool``) before the run. The
 server trains on it: every round, ``epochs_per_round`` epochs of mini-batch SGD with CE (the run's batch size,
 the round's lr, the run's momentum). At the fmnist-lt defaults (half the clients per round, 2 local epochs)
 one epoch over the pool is the number of sample visits of one FedAvg round, so the default 1 gives both the
@@ -52,7 +52,7 @@ class Centralized(Method):
     def aggregate(self, state, rnd, replies):
         if self.pool is None:
             raise ConfigError("centralized needs the pooled training data: run it through `fedlt run` or "
-                              "fedlt.rundir.prepare, which attach it (method.pool = federation.pooled())")
+                              "fedlt.runner.rundir.prepare, which attach it (method.pool = federation.pooled())")
         net = self.net
         load_weights(net, state["weights"])
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, POOL_TRAIN, rnd))

@@ -1,8 +1,8 @@
 """One run and its directory: from a RunConfig to a finished run. Build data, model spec and method
 (:func:`prepare`), drive the engine, and write the run directory -- the same for every engine
 (:func:`run_recorded`: resolved config, partition counts, metrics as JSON lines and the experiment trackers
-fed from them, checkpoints and resume, summary, final weights). Beside it: :mod:`fedlt.runstate` (the files), :mod:`fedlt.divergence` (the check that
-stops a diverged run), :mod:`fedlt.preempt` (a scheduler's signal). Many runs are :mod:`fedlt.experiments`.
+fed from them, checkpoints and resume, summary, final weights). Beside it: :mod:`fedlt.runner.runstate` (the files), :mod:`fedlt.runner.divergence` (the check that
+stops a diverged run), :mod:`fedlt.runner.preempt` (a scheduler's signal). Many runs are :mod:`fedlt.experiments`.
 
 Everything that can fail on bad input (names, settings, missing or corrupt data) fails in :func:`prepare`,
 before the run directory exists, so nothing is half-written.
@@ -19,16 +19,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import RunConfig, name_part, parse_milestones
-from .core.method import Method, RunSpec
-from .data import Federation, build_federation
-from .data.partition import partition_settings
-from .data.split import default_lt_profile, partition_document
-from .engine import EngineConfig, Simulation
-from .errors import ConfigError, Diverged
-from .jsonutil import dumps
-from .metrics import GROUPS
-from .plugins import method_class
+from ..config import RunConfig, name_part, parse_milestones
+from ..core.method import Method, RunSpec
+from ..data import Federation, build_federation
+from ..data.partition import partition_settings
+from ..data.split import default_lt_profile, partition_document
+from ..engine import EngineConfig, Simulation
+from ..errors import ConfigError, Diverged
+from ..jsonutil import dumps
+from ..metrics import GROUPS
+from ..plugins import method_class
 
 
 CLIENT_STATES = "client-states"  # the run directory's client-state store (fedlt.engine.clientstate)
@@ -174,13 +174,13 @@ def run(cfg: RunConfig, progress: bool = True, echo=print, prepared: Prepared | 
     """Run one experiment end to end and return its summary.
 
     ``checkpoint_every`` N > 0 writes a checkpoint in the run directory every N rounds and after the last
-    (see :mod:`fedlt.runstate`); with ``resume`` a run whose directory holds one continues from it
+    (see :mod:`fedlt.runner.runstate`); with ``resume`` a run whose directory holds one continues from it
     (the settings must be the same) and ends with the metrics it would have reached uninterrupted. ``labels``
     (method, setting, seed) are stored in config.json for ``fedlt report``. ``summary.json`` is written last:
     its presence marks a finished run (the checkpoints are then deleted). A run directory is used by one
     process at a time (a lock beside it); a second process is refused with a one-line error.
 
-    A run that diverges (:mod:`fedlt.divergence`) with ``cfg.on_diverge == "stop"`` writes a
+    A run that diverges (:mod:`fedlt.runner.divergence`) with ``cfg.on_diverge == "stop"`` writes a
     summary with ``status: diverged``, keeps its last good checkpoint and raises
     :class:`~fedlt.errors.Diverged` (exit status 3 on the command line)."""
     from .runstate import owned_run_dir

@@ -1,5 +1,5 @@
 """What a run directory holds besides its config: metrics as JSON lines (also sent to the run's experiment
-trackers, :mod:`fedlt.trackers`), checkpoints, the final state with the head-like tensors that the
+trackers, :mod:`fedlt.runner.trackers`), checkpoints, the final state with the head-like tensors that the
 report plots, and the lock that keeps two processes out of one run directory.
 
 Checkpoints and final states are safetensors files (:mod:`fedlt.safefile`): loading one runs no code, whoever
@@ -26,12 +26,12 @@ from typing import Any, Iterator
 
 import torch
 
-from .config import SETTINGS
-from .decl import read_old
-from .errors import ConfigError
-from .jsonutil import jsonable
-from .registry import METHODS
-from .safefile import load_tree, save_tree
+from ..config import SETTINGS
+from ..decl import read_old
+from ..errors import ConfigError
+from ..jsonutil import jsonable
+from ..registry import METHODS
+from ..safefile import load_tree, save_tree
 
 CHECKPOINT = "checkpoint.safetensors"
 PREVIOUS = "checkpoint.prev.safetensors"
@@ -65,7 +65,7 @@ def _plain(v):
 # ------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(run_dir: Path, sim_state: dict, config: dict, elapsed: float) -> None:
     """Write the new checkpoint in full, then rotate: newest -> previous, new -> newest. The caller
-    (:func:`fedlt.rundir.run_recorded`) writes it under :func:`fedlt.preempt.deferred`, so a
+    (:func:`fedlt.runner.rundir.run_recorded`) writes it under :func:`fedlt.runner.preempt.deferred`, so a
     scheduler's signal arriving meanwhile takes effect once the checkpoint is in place."""
     run_dir = Path(run_dir)
     save_tree(run_dir / NEXT, {"sim": sim_state, "config": config, "elapsed": elapsed}, "checkpoint")
@@ -273,7 +273,7 @@ def lock_holder(run_dir: Path) -> str:
 
 class MetricsLog:
     """Per-round records as JSON lines, each also handed to the run's experiment trackers
-    (:class:`fedlt.trackers.Trackers`: MLflow, W&B, TensorBoard). ``history``: the records a resumed run
+    (:class:`fedlt.runner.trackers.Trackers`: MLflow, W&B, TensorBoard). ``history``: the records a resumed run
     continues from; the file is rewritten to hold exactly those before new ones are appended."""
 
     def __init__(self, run_dir: Path, history: list[dict] | None = None, trackers=None):

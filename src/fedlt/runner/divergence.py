@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import Diverged
+from ..errors import Diverged
 
 
 def floating_tensors(tree: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

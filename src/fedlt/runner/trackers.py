@@ -1,6 +1,6 @@
 """Experiment trackers (``--tracker mlflow,wandb,tensorboard``): a run's records, also where researchers look.
 
-One interface, fed from the records that write ``metrics.jsonl`` (:class:`fedlt.runstate.MetricsLog` hands each
+One interface, fed from the records that write ``metrics.jsonl`` (:class:`fedlt.runner.runstate.MetricsLog` hands each
 record to :class:`Trackers` after writing it), so a tracker holds nothing the run directory does not:
 
 - the run's settings (``config.json``) as parameters, the run directory's name (``--name``; in a sweep
@@ -45,8 +45,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import TRACKERS
-from .jsonutil import jsonable
+from ..config import TRACKERS
+from ..jsonutil import jsonable
 
 STATE = "trackers.json"  # in a run directory: {tracker: {"id": its run id, "records": records it holds}}
 GROUP = "tracker-group.json"  # in a sweep folder: {"name": the group, "mlflow": the parent run's id}
