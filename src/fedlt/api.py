@@ -398,7 +398,7 @@ def run_sweep(sw, *, checkpoint_every: int | None = None, jobs: int | None = Non
         from .experiments.report import group_metrics
         from .runner.trackers import end_group
 
-        end_group(sw.out, Path(rep) if rep is not None else None, metrics=group_metrics(Path(sw.out)))
+        end_group(sw.out, Path(rep) if rep is not None else None, metrics=lambda: group_metrics(Path(sw.out)))
     return result(counts, rep)
 
 
@@ -488,7 +488,7 @@ def reproduce(table: str, /, *, methods: str | Iterable[str] | None = None,
         from .experiments.report import group_metrics
         from .runner.trackers import end_group
 
-        end_group(rep.out, path.parent, metrics=group_metrics(Path(rep.out)))
+        end_group(rep.out, path.parent, metrics=lambda: group_metrics(Path(rep.out)))
     cmp.report_dir = path.parent
     return Reproduced(rep, cmp, path, rows)
 

@@ -469,15 +469,26 @@ def fraction_or_count(name: str, value: float, clients: int, what: str = "") -> 
         raise ConfigError(problem)
 
 
-def _per_round(cfg) -> int:
-    n = int(round(cfg.participation)) if cfg.participation > 1 else max(1, int(round(cfg.participation * cfg.clients)))
-    return min(n, cfg.clients)
+def clients_per_round(num_clients: int, participation: float, what: str = "participation") -> int:
+    """participation <= 1 is a fraction of the clients, > 1 a count (the engine's sampling, and the relations
+    below)."""
+    if participation <= 0:
+        raise ConfigError(f"{what} must be > 0, got {participation:g}")
+    n = int(round(participation)) if participation > 1 else max(1, int(round(participation * num_clients)))
+    if n > num_clients:
+        raise ConfigError(f"{what} {participation:g} asks for {n} clients but there are "
+                          f"{num_clients}; use at most {num_clients} or a fraction <= 1")
+    return n
+
+
+def _decays(cfg) -> int:
+    """How many times a step schedule decays the lr within the run (its milestones before the last round)."""
+    return len([m for m in parse_milestones(cfg.lr_milestones) if m < cfg.rounds])
 
 
 def _peak_lr(cfg) -> float:
-    ms = [m for m in parse_milestones(cfg.lr_milestones) if m < cfg.rounds]
     try:
-        return max(cfg.lr * cfg.lr_gamma ** k for k in range(len(ms) + 1))
+        return max(cfg.lr * cfg.lr_gamma ** k for k in range(_decays(cfg) + 1))
     except OverflowError:
         return math.inf
 
@@ -570,8 +581,7 @@ RELATIONS: list[Relation] = [
              when=lambda c: c.lr_schedule == "step", others=("lr_milestones",), bad=({"lr_schedule": "step"},)),
     requires("lr_gamma", lambda c: _peak_lr(c) <= FLOAT32_MAX,
              lambda c: f"lr-gamma {c.lr_gamma:g} takes the lr past a float32 ({c.lr:g} x {c.lr_gamma:g}^"
-                       f"{len([m for m in parse_milestones(c.lr_milestones) if m < c.rounds])}); a decay factor is "
-                       f"below 1 (e.g. 0.1)", when=lambda c: c.lr_schedule == "step",
+                       f"{_decays(c)}); a decay factor is below 1 (e.g. 0.1)", when=lambda c: c.lr_schedule == "step",
              others=("lr", "lr_milestones", "rounds"),
              bad=({"lr_schedule": "step", "lr_milestones": "1", "rounds": 2, "lr_gamma": 1e39},)),
     excludes("speed_file", "speed_sigma", "--speed-file and --speed-sigma exclude each other: the file gives the "
@@ -589,7 +599,8 @@ RELATIONS: list[Relation] = [
                        f"clients): nothing would train; use at least {1 / (c.clients * c.rounds):.3g}",
              when=lambda c: c.availability != "always", others=("availability_mean", "clients", "rounds"),
              bad=({"availability": "1e-300"}, {"availability": "size", "availability_mean": 1e-30})),
-    applies_when("over_select", lambda c: _per_round(c) < c.clients,
+    # (participation is valid here: its relation comes first)
+    applies_when("over_select", lambda c: clients_per_round(c.clients, c.participation) < c.clients,
                  lambda c: f"--over-select {c.over_select:g} applies when a round samples fewer than all clients; "
                            f"participation {c.participation:g} takes all {c.clients} already; drop it or lower "
                            f"--participation", others=("participation", "clients"),

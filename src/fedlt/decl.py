@@ -689,7 +689,6 @@ def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
             for k, s in settings_of(cls).items() if (v := getattr(args, k, None)) is not None}
 
 
-
 # ------------------------------------------------------------------------------------------------ relations
 @dataclass(frozen=True)
 class Relation:

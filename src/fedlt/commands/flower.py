@@ -43,7 +43,8 @@ def _number(kind: type, low: float, low_open: bool = False, high: float | None =
     return parse
 
 
-SECONDS, COUNT, ID, PORT = _number(float, 0, True), _number(int, 0), _number(int, 0), _number(int, 1, high=65535)
+POSITIVE, COUNT, PORT = _number(float, 0, True), _number(int, 0), _number(int, 1, high=65535)
+SECONDS, ID = POSITIVE, COUNT  # a duration, a client's number
 
 
 def _address(text: str) -> str:
@@ -134,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(m)
     _flower_options(m)
     g = m.add_argument_group("simulation (pip install 'fedlt[simulation]')")
-    g.add_argument("--cpus-per-client", type=SECONDS, default=1.0, metavar="N",
+    g.add_argument("--cpus-per-client", type=POSITIVE, default=1.0, metavar="N",
                    help="CPUs each virtual client asks Ray for (default 1): CPUs / N clients train at once")
     g.add_argument("--gpus-per-client", type=_number(float, 0), default=0.0, metavar="F",
                    help="GPUs each virtual client asks Ray for (default 0; 0.25: four clients share a GPU)")

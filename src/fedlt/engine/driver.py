@@ -31,6 +31,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from ..config import clients_per_round
 from ..core.method import Message, Method, derive_seed
 from ..errors import ConfigError
 from ..metrics import headline
@@ -47,17 +48,6 @@ def sampling_schedule(num_clients: int, per_round: int, rounds: int, seed: int) 
         raise ConfigError(f"clients per round must be between 1 and {num_clients}, got {per_round}")
     rng = np.random.default_rng([seed, SAMPLING])
     return [sorted(rng.choice(num_clients, size=per_round, replace=False).tolist()) for _ in range(rounds)]
-
-
-def clients_per_round(num_clients: int, participation: float, what: str = "participation") -> int:
-    """participation <= 1 is a fraction of the clients, > 1 a count."""
-    if participation <= 0:
-        raise ConfigError(f"{what} must be > 0, got {participation:g}")
-    n = int(round(participation)) if participation > 1 else max(1, int(round(participation * num_clients)))
-    if n > num_clients:
-        raise ConfigError(f"{what} {participation:g} asks for {n} clients but there are "
-                          f"{num_clients}; use at most {num_clients} or a fraction <= 1")
-    return n
 
 
 def eval_sample(num_clients: int, eval_clients: float, seed: int) -> list[int]:

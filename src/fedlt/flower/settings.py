@@ -29,7 +29,7 @@ def flower_value(name: str, v: Any) -> float:
     import math
 
     try:
-        x = float(v) if not isinstance(v, bool) else float(v)
+        x = float(v)
     except (TypeError, ValueError):
         x = math.nan
     if name == "resume":

@@ -263,13 +263,19 @@ class FedLF(Method):
             sums.zero_()
             seen.zero_()
 
-        opt = make_optimizer([q for n_, q in net.named_parameters() if n_ != "head.bias"], s, lr=self.round_lr(payload))
-        out = train_local(net, data, s, gen, loss_fn, optimizer=opt, parts=True, epoch_start=epoch_start)
-        names = ["loss", "loss_ce"] + (["loss_centre"] if G is not None else []) + \
-            (["loss_decorr"] if p.decorr_weight else [])
-        stats = {"steps": out["steps"], **dict(zip(names, out["means"]))}
+        names = ["loss_ce"] + (["loss_centre"] if G is not None else []) + (["loss_decorr"] if p.decorr_weight else [])
+        stats = self._train(payload, data, gen, loss_fn, names, epoch_start)
         arrays = {**weights_of(net), "fedlf.centres": sums / seen.clamp_min(1)[:, None], "fedlf.held": counts > 0}
         return Message(arrays, {"num_examples": len(data), **stats}), cstate
+
+    def _train(self, payload, data, gen, loss_fn, parts: list[str], epoch_start=None) -> dict:
+        """The local epochs on ``loss_fn`` (returning the loss and its ``parts`` by name), the bias-free logits'
+        parameters at the round's lr; the steps and the mean loss and parts."""
+        net = self.net
+        opt = make_optimizer([q for n_, q in net.named_parameters() if n_ != "head.bias"], self.spec,
+                             lr=self.round_lr(payload))
+        out = train_local(net, data, self.spec, gen, loss_fn, optimizer=opt, parts=True, epoch_start=epoch_start)
+        return {"steps": out["steps"], **dict(zip(["loss", *parts], out["means"]))}
 
     def _distance_train(self, payload, data, gen, scale) -> Message:
         """``loss=distance``: fedlf.py's local training (centres and margin from the received model, then the
@@ -282,8 +288,6 @@ class FedLF(Method):
             return distance_loss(model.backbone(x), model.head.weight, scale, y, centres, gap, p.distance_weight,
                                  p.decorr_weight)
 
-        opt = make_optimizer([q for n_, q in net.named_parameters() if n_ != "head.bias"], s, lr=self.round_lr(payload))
-        out = train_local(net, data, s, gen, loss_fn, optimizer=opt, parts=True)
-        names = ["loss", "loss_ce", "loss_distance"] + (["loss_decorr"] if p.decorr_weight else [])
-        stats = {"steps": out["steps"], **dict(zip(names, out["means"]))}
+        stats = self._train(payload, data, gen, loss_fn,
+                            ["loss_ce", "loss_distance"] + (["loss_decorr"] if p.decorr_weight else []))
         return Message(weights_of(net), {"num_examples": len(data), **stats})

@@ -509,17 +509,17 @@ def start_group(out: str | Path, names: list[str]) -> None:
 
 
 def end_group(out: str | Path, report: Path | None, status: str = "FINISHED",
-              metrics: dict[str, float] | None = None) -> None:
-    """Close a sweep's MLflow parent run, with the sweep's report (tables, figures) as its artifacts and
-    ``metrics`` (fedlt.experiments.report.group_metrics: the comparison's final GM / PM per method) on its
-    charts."""
+              metrics: Callable[[], dict[str, float]] | None = None) -> None:
+    """Close a sweep's MLflow parent run, with the sweep's report (tables, figures) as its artifacts and what
+    ``metrics()`` returns (fedlt.experiments.report.group_metrics: the comparison's final GM / PM per method,
+    read only where there is a parent run) on its charts."""
     doc = _read(Path(out) / GROUP)
     if not doc.get("mlflow"):
         return
     try:
         with _quiet():
             client, _ = mlflow_client(Path(out))
-            for key, value in (metrics or {}).items():  # the chart view of the parent run
+            for key, value in (metrics() if metrics else {}).items():  # the chart view of the parent run
                 client.log_metric(doc["mlflow"], key, value)
             if report is not None and Path(report).is_dir():
                 client.log_artifacts(doc["mlflow"], str(report), "report")
