@@ -51,3 +51,52 @@ def test_fedloges_sse_c_defaults_are_the_etf_modules():
         assert (default(fn, "steps"), default(fn, "lr")) == (etf.SSE_STEPS, etf.SSE_LR), fn.__name__
     spec = etf.resolve_spec("sse-c", 16, 4)
     assert (spec["steps"], spec["lr"]) == (etf.SSE_STEPS, etf.SSE_LR)
+
+
+def test_the_spec_and_the_engine_config_restate_no_setting():
+    """RunSpec and EngineConfig hold every setting their part reads, with the declaration's own default and
+    declaration (one object, not a copy), and no field of theirs shadows a setting with a default of its own."""
+    from fedlt.config import RunConfig
+    from fedlt.core.spec import RunSpec
+    from fedlt.decl import read_by, settings_of
+    from fedlt.engine.driver import EngineConfig
+
+    run = settings_of(RunConfig)
+    for cls, part in ((RunSpec, "spec"), (EngineConfig, "engine")):
+        mine = settings_of(cls)
+        reads = read_by(RunConfig, part)
+        assert reads, part
+        for alias, name in reads.items():
+            assert alias in mine, f"{cls.__name__} lacks {alias}, which the {part} reads"
+            assert mine[alias].default == run[name].default, (cls.__name__, alias)
+            assert mine[alias].decl.help == run[name].decl.help and mine[alias].decl.low == run[name].decl.low
+        # a RunConfig setting by name in the class, not derived from the setting: a restated default
+        restated = [f for f in mine if f in run and f not in reads and mine[f].default is not dataclasses.MISSING]
+        assert not restated, f"{cls.__name__} restates {restated}: declare reads=({part!r},) on the setting"
+    # the run's values reach them converted by their declarations
+    cfg = RunConfig(client_state_memory="1GB", lr_milestones="3,7", lr_schedule="step", rounds=9, clients=4)
+    eng = EngineConfig.of(cfg)
+    assert (eng.client_state_memory, eng.rounds) == (10**9, 9)
+    from fedlt.decl import settings_values
+
+    spec = RunSpec(model="mlp", in_shape=(1, 8, 8), num_classes=3, **settings_values(cfg, "spec"))
+    assert (spec.num_clients, spec.rounds, spec.lr_at(8)) == (4, 9, pytest.approx(cfg.lr * cfg.lr_gamma ** 2))
+
+
+def test_a_new_setting_is_one_declaration():
+    """A setting declared with reads=("engine",) is a field of the engine's config without another line."""
+    from dataclasses import dataclass
+
+    from fedlt.decl import reads_settings, setting, settings_values
+
+    @dataclass
+    class Config:
+        width: int = setting(7, "a new setting", low=1, reads=("engine",))
+        other: int = setting(1, "not the engine's")
+
+    @reads_settings(Config, "engine")
+    class Engine:
+        progress: bool = True
+
+    assert [f.name for f in dataclasses.fields(Engine)] == ["width", "progress"]
+    assert Engine().width == 7 and Engine(**settings_values(Config(width="9"), "engine")).width == 9

@@ -68,7 +68,7 @@ def test_runs_are_reproducible_and_independent_of_client_order():
     from fedlt.runner.rundir import prepare
     cfg = small_config(rounds=2)
     pr = prepare(cfg, sim1.fed)
-    sim3 = Simulation(pr.method, pr.fed, EngineConfig(2, cfg.participation, 1, 0, progress=False))
+    sim3 = Simulation(pr.method, pr.fed, EngineConfig(rounds=2, participation=cfg.participation, eval_every=1, seed=0, progress=False))
     sim3.schedule = [list(reversed(r)) for r in sim3.schedule]
     sim3.run()
     for k, v in sim1.state["weights"].items():

@@ -171,8 +171,8 @@ def test_federation_and_schedule_are_functions_of_the_seed():
     a, b = federation_for(cfg), federation_for(cfg)
     assert (a.counts == b.counts).all()
     assert all(torch.equal(x.x, y.x) and torch.equal(x.test_y, y.test_y) for x, y in zip(a.clients, b.clients))
-    s1 = Simulation(prepare(cfg, a).method, a, EngineConfig(8, 0.5, 4, 0, progress=False)).schedule
-    s2 = Simulation(prepare(cfg, b).method, b, EngineConfig(8, 0.5, 4, 0, progress=False)).schedule
+    s1 = Simulation(prepare(cfg, a).method, a, EngineConfig(rounds=8, participation=0.5, eval_every=4, seed=0, progress=False)).schedule
+    s2 = Simulation(prepare(cfg, b).method, b, EngineConfig(rounds=8, participation=0.5, eval_every=4, seed=0, progress=False)).schedule
     assert s1 == s2
 
 

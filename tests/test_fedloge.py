@@ -80,11 +80,13 @@ def test_ga_fr_equalises_norms_and_keeps_directions():
 def test_ga_fr_phase_paper_and_official_variants():
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(10, 128, generator=g) * torch.arange(1, 11)[:, None], torch.randn(10, generator=g)
-    state = {"weights": {"head.weight": w, "head.bias": b}}
-    paper = _method().phase_aggregate("ga-fr", dict(state), [])["generic"]
+    tree = {"weights": {"head.weight": w, "head.bias": b}}
+    m = _method()
+    paper = m.phase_aggregate("ga-fr", m.server_state(dict(tree)), []).generic
     assert torch.allclose(paper["weight"].norm(dim=1), torch.ones(10), atol=1e-5)
     assert torch.count_nonzero(paper["bias"]) == 0  # Eq. 6: the class vectors only
-    official = _method(realign="official").phase_aggregate("ga-fr", dict(state), [])["generic"]
+    m = _method(realign="official")
+    official = m.phase_aggregate("ga-fr", m.server_state(dict(tree)), []).generic
     assert torch.allclose(official["weight"].norm(dim=1), torch.full((10,), 1.7), atol=1e-5)
     assert torch.equal(official["bias"], b)  # the official code keeps the trained bias
 

@@ -47,7 +47,7 @@ def test_fednova_normalises_updates_by_local_steps():
     steps, sizes = (10.0, 40.0), (30, 60)  # client 2 took four times the steps, in the same direction per step
     replies = [(i, Message({**x, **{k: x[k] - 0.01 * a * d[k] for k in keys}}, {"num_examples": n, "a_norm": a}))
                for i, (d, a, n) in enumerate(zip(dirs, steps, sizes))]
-    new = m.aggregate({"weights": dict(x)}, 1, replies)["weights"]
+    new = m.aggregate(m.server_state({"weights": dict(x)}), 1, replies).weights
     p = [n / sum(sizes) for n in sizes]
     tau_eff = sum(pi * a for pi, a in zip(p, steps))
     for k in keys:  # x - tau_eff * lr * sum_i p_i d_i: each client counts by p_i, not by how far it moved
@@ -56,7 +56,7 @@ def test_fednova_normalises_updates_by_local_steps():
     # with equal step counts FedNova is FedAvg
     same = [(i, Message(r.arrays, {**r.meta, "a_norm": 7.0})) for i, r in replies]
     fedavg = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in same])
-    new = m.aggregate({"weights": dict(x)}, 1, same)["weights"]
+    new = m.aggregate(m.server_state({"weights": dict(x)}), 1, same).weights
     assert all(torch.allclose(new[k], fedavg[k], atol=1e-6) for k in x)
 
 

@@ -133,6 +133,8 @@ def test_gbme_proxy_reads_class_counts_from_a_classifier_update():
 
 
 def test_gbme_expert_rounds_train_and_average_one_expert_per_client():
+    import dataclasses
+
     from fedlt.core.steps import run_steps
     from fedlt.methods.gbme import EXPERT
 
@@ -160,7 +162,7 @@ def test_gbme_expert_rounds_train_and_average_one_expert_per_client():
     moved = (out.weights["head.weight"] - state["weights"]["head.weight"]).abs().sum((1, 2))
     assert moved[e] > 0 and all(moved[j] == 0 for j in range(m.p.experts) if j != e)
     reply, _ = m.local_reply(msg, {}, Data(), out)
-    new = m.aggregate({**state, "weights": dict(state["weights"])}, 9, [(2, reply)])
+    new = m.aggregate(dataclasses.replace(state, weights=dict(state.weights)), 9, [(2, reply)])
     kept = [j for j in range(m.p.experts) if j != e]
     assert torch.equal(new["weights"]["head.weight"][kept], state["weights"]["head.weight"][kept])
     assert torch.equal(new["weights"]["head.weight"][e], out.weights["head.weight"][e])

@@ -148,7 +148,8 @@ def test_default_is_still_the_papers_running_centre_loss():
     data = client({0: 6, 2: 3, 5: 4, 7: 2}, seed=1)
     m = fedlf()
     G = torch.randn(C, m.net.feature_dim, generator=torch.Generator().manual_seed(5))
-    state = {**m.init_server(), "centres": G}  # after the warm-up: the server's centres come down
+    state = m.init_server()
+    state.centres = G  # after the warm-up: the server's centres come down
     payload = m.configure(state, 12, 0)
     x, y = next(data.batches(64, None, shuffle=False, train=False))
     ref = m.new_model()

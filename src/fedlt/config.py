@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from .core.spec import LR_SCHEDULES, scheduled_lr
-from .decl import (FLOAT32_MAX, Relation, applies_when, byte_size, check, check_relations, check_values, coerce,
-                   excludes, requires, rows, settings_of, setting, show, words)
+from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
+from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
+                   check_relations, check_values, coerce, declared_in, excludes, requires, rows, settings_of, setting,
+                   show, words)
 from .errors import ConfigError
 from .papers import presets as paper_presets
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS
@@ -22,44 +23,13 @@ from .registry import DATASETS, METHODS, MODELS, PARTITIONS
 DEFAULT_BUDGET = 2_000_000_000  # bytes of client states in memory: --client-state-memory 2GB (engine.clientstate)
 
 
-def parse_milestones(value: Any) -> tuple[int, ...]:
-    """``"160,240"``, ``[160, 240]`` or ``()`` -> ``(160, 240)``; a one-line ConfigError for anything else."""
-    bad = ConfigError(f"lr-milestones expects comma-separated round numbers (e.g. 160,240), got {show(value)}")
-    if isinstance(value, str):  # "160,240" or "[160, 240]" (a Flower run config's text of a list)
-        text = value.strip()
-        text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
-        if "[" in text or "]" in text:
-            raise bad
-        items = text.split(",")
-    elif isinstance(value, (list, tuple)) or not value:
-        items = list(value or ())
-    else:
-        raise bad
-    try:
-        out = tuple(int(str(v).strip()) for v in items if str(v).strip() and str(v).strip().isascii())
-    except ValueError:
-        raise bad from None
-    if len(out) != sum(bool(str(v).strip()) for v in items) or isinstance(value, bool):
-        raise bad
-    if any(m < 1 for m in out) or list(out) != sorted(set(out)):
-        raise ConfigError(f"lr-milestones must be increasing round numbers >= 1, got {show(value)}")
-    return out
-
-
-def _milestones_text(value: Any) -> str:
-    """The canonical text of lr_milestones ("160,240"), from text or a TOML list."""
-    return ",".join(map(str, parse_milestones(value)))
-
-
 def _ratio_hint(rho: float) -> str:
     return f"did you mean {1 / rho:g} (the FedLoGe code writes n_min/n_max)?" if 0 < rho < 1 else ""
 
 
-DATA, TRAIN, OUTPUT = "data", "training", "evaluation and output"
 # experiment trackers (fedlt.runner.trackers): the package each needs, and how to install it
 TRACKERS = {"mlflow": ("mlflow", "pip install 'fedlt[mlflow]'"), "wandb": ("wandb", "pip install 'fedlt[wandb]'"),
             "tensorboard": ("tensorboard", "pip install 'fedlt[tensorboard]'")}
-INT32 = 2**31 - 1
 
 
 @dataclass
@@ -108,7 +78,7 @@ class RunConfig:
     tau: float = setting(2.0, "BalanceFL tau-sampling: n_tau = tau * n_min", low=0, low_open=True, group=DATA)
     min_client_size: int = setting(0, "redraw until every client has this many samples", low=0, high=INT32,
                                    group=DATA)
-    clients: int = setting(20, "number of clients K", low=1, limit=10**6, group=DATA)
+    clients: int = declared_in(RunSpec, "num_clients")
     client_test_fraction: float = setting(0.0, "each client's test set: this fraction of its own samples (LEAF's "
                                                "per-user split), for natural users or populations too large for "
                                                "shares of the balanced test set (0: a share of the balanced test "
@@ -129,33 +99,29 @@ class RunConfig:
                                              cli=False, group=DATA)
     # model and local training
     model: str | None = setting(None, "model", registry=MODELS, group=TRAIN, none_means="the dataset's default")
-    rounds: int = setting(50, "communication rounds", low=1, limit=10**6, group=TRAIN)
+    rounds: int = declared_in(RunSpec, "rounds", reads=("engine",))
     participation: float = setting(0.5, "clients per round: a fraction (<= 1) or a count (> 1)", low=0,
-                                   low_open=True, group=TRAIN)
-    local_epochs: int = setting(2, "local epochs", low=0, limit=10**4, group=TRAIN)
-    batch_size: int = setting(32, "local batch size", low=1, high=INT32, group=TRAIN)
-    lr: float = setting(0.05, "local learning rate", low=0, low_open=True, group=TRAIN)
-    lr_schedule: str = setting("constant", "lr per round: constant, step (x lr-gamma after each milestone), cosine "
-                                           "(to 0 over the rounds)", choices=LR_SCHEDULES, group=TRAIN)
-    lr_milestones: str = setting("", "step schedule: rounds after which the lr decays (FedDr+: 160,240; a TOML "
-                                     "list too)", parse=_milestones_text, metavar="R1,R2", group=TRAIN)
-    lr_gamma: float = setting(0.1, "step schedule: decay factor", low=0, low_open=True, group=TRAIN)
-    momentum: float = setting(0.9, "SGD momentum", low=0, high=1, high_open=True, group=TRAIN)
-    weight_decay: float = setting(0.0, "weight decay", low=0, group=TRAIN)
-    seed: int = setting(0, "the one seed of the run", low=0, high=2**63 - 1, group=TRAIN)
-    device: str = setting("cpu", "torch device: cpu, cuda or cuda:N", group=TRAIN, result=False)
+                                   low_open=True, group=TRAIN, reads=("engine",))
+    local_epochs: int = declared_in(RunSpec, "local_epochs")
+    batch_size: int = declared_in(RunSpec, "batch_size")
+    lr: float = declared_in(RunSpec, "lr")
+    lr_schedule: str = declared_in(RunSpec, "lr_schedule")
+    lr_milestones: str = declared_in(RunSpec, "lr_milestones")
+    lr_gamma: float = declared_in(RunSpec, "lr_gamma")
+    momentum: float = declared_in(RunSpec, "momentum")
+    weight_decay: float = declared_in(RunSpec, "weight_decay")
+    seed: int = declared_in(RunSpec, "seed", reads=("engine",))
+    device: str = declared_in(RunSpec, "device")
     threads: int | None = setting(None, "torch CPU threads", low=1, high=4096, group=TRAIN, result=False,
                                   none_means="torch's default")
-    precision: str = setting("fp32", "training precision: bf16 or fp16 autocast, fp16 with a gradient scaler "
-                                     "(CUDA only)", choices=("fp32", "bf16", "fp16"), group=TRAIN)
-    channels_last: str = setting("auto", "channels_last memory format for convolutional models (auto: on CUDA "
-                                         "under bf16/fp16)", choices=("auto", "on", "off"), group=TRAIN)
+    precision: str = declared_in(RunSpec, "precision")
+    channels_last: str = declared_in(RunSpec, "channels_last")
     client_parallel: str = setting("auto", "train a round's clients together (methods that describe their local "
                                            "steps): auto (all at once on CUDA, one after another on a CPU), off, "
                                            "or N per chunk", choices=("auto", "off"), numbers=int, low=1,
-                                   unit="clients", group=TRAIN)
+                                   unit="clients", group=TRAIN, reads=("engine",))
     cuda_graphs: bool = setting(False, "replay each batched step as one CUDA graph (fewer launches; "
-                                       "--client-parallel on CUDA)", group=TRAIN)
+                                       "--client-parallel on CUDA)", group=TRAIN, reads=("engine",))
     deterministic: bool = setting(False, "deterministic algorithms and cuDNN settings (slower on a GPU)",
                                   group=TRAIN)
     data_placement: str = setting("auto", "where the samples live: auto (on the GPU when they take at most a "
@@ -172,7 +138,7 @@ class RunConfig:
     client_state_memory: int = setting(DEFAULT_BUDGET, "client states held in memory, the least recently used beyond "
                                                       "it spilled to the run directory (a resumed run may change "
                                                       "it)", parse=byte_size, unit="bytes", metavar="SIZE",
-                                       group=TRAIN, result=False)
+                                       group=TRAIN, result=False, reads=("engine",))
     # clients that are away, drop out or straggle (fedlt.engine.faults, docs/dropout.md); all off by default
     availability: str = setting("always", "each round a client is online with this probability: a number, always, or "
                                           "a profile with mean --availability-mean: size (proportional to its "
@@ -198,14 +164,16 @@ class RunConfig:
                                            none_means="no deadline")
     over_select: float = setting(1.0, "sample F times the clients a round wants and aggregate the first of them "
                                       "to arrive within the deadline", low=1, limit=100, metavar="F", group=TRAIN)
-    allow_large: bool = setting(False, "allow values past the limits (rounds, clients, local epochs, ...) that "
-                                       "catch typos, on purpose", group=TRAIN, result=False)
+    allow_large: bool = declared_in(RunSpec, "allow_large")
     # evaluation and output
-    eval_every: int = setting(5, "evaluate every N rounds", low=1, high=INT32, group=OUTPUT)
+    eval_every: int = setting(5, "evaluate every N rounds", low=1, high=INT32, group=OUTPUT,
+                              reads=("engine",))
     eval_clients: float = setting(1.0, "PM over every client (1), or over a fixed, seeded sample of them: a "
                                        "fraction (< 1) or a count (> 1); the summary says 'PM over 500 of 100,000 "
-                                       "clients'", low=0, low_open=True, metavar="N|F", group=OUTPUT)
-    split: str = setting("fedloge", "many/medium/few split", choices=("fedloge", "fixed"), group=OUTPUT)
+                                       "clients'", low=0, low_open=True, metavar="N|F", group=OUTPUT,
+                                  reads=("engine",))
+    split: str = setting("fedloge", "many/medium/few split", choices=("fedloge", "fixed"), group=OUTPUT,
+                         reads=("engine",))
     out: str = setting("runs", "folder for run directories", group=OUTPUT, result=False, path="folder")
     name: str | None = setting(None, "run directory name: one folder name inside --out", group=OUTPUT, result=False,
                                path="name",

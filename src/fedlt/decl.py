@@ -44,6 +44,7 @@ from .errors import ConfigError
 
 FLOAT32_MAX = 3.4028234663852886e38
 INT64 = (-(2**63), 2**63 - 1)
+INT32 = 2**31 - 1  # the largest value an int setting that reaches an int32 (a size, a count) may take
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 ALLOW_LARGE = "--allow-large"  # the command-line switch that lifts the limits (RunConfig.allow_large)
 
@@ -73,6 +74,9 @@ class Decl:
     cli: bool = True  # has a command-line option
     path: str | None = None  # a str that names a "file", a "folder" or a run directory's "name" (one component)
     result: bool = True  # False: changes where or how a run executes, never its numbers (a resume may change it)
+    # the parts of a run that read the setting ("spec": the method's RunSpec, "engine": the driver's EngineConfig;
+    # "spec:num_clients": read there under another name): those dataclasses are derived from the declarations
+    reads: tuple[str, ...] = ()
 
     def allowed(self) -> tuple | None:
         c = self.choices
@@ -100,6 +104,68 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Call
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+DATA, TRAIN, OUTPUT = "data", "training", "evaluation and output"  # the settings' groups (help, tables)
+
+
+def declared_in(cls: type, name: str, **changes: Any) -> Any:
+    """The field ``name`` of the dataclass ``cls`` declared again for another dataclass, with its default and
+    declaration (not a copy of them: the same objects), ``changes`` applied to the declaration (``reads`` is
+    added to). A setting that a lower layer reads is declared there, and the run configuration includes it
+    this way (``lr: float = declared_in(RunSpec, "lr", reads=("engine",))``)."""
+    f = {g.name: g for g in dataclasses.fields(cls)}[name]
+    decl = f.metadata["decl"]
+    reads = tuple(dict.fromkeys(decl.reads + tuple(changes.pop("reads", ()))))
+    meta = {"decl": dataclasses.replace(decl, reads=reads, **changes)}
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=meta)
+    return dataclasses.field(default=f.default, metadata=meta)
+
+
+def read_by(cls: type, part: str) -> dict[str, str]:
+    """``{name in part: setting name}`` of the settings of ``cls`` whose declaration says ``part`` reads them."""
+    out = {}
+    for name, s in settings_of(cls).items():
+        for r in s.decl.reads:
+            where, _, alias = r.partition(":")
+            if where == part:
+                out[alias or name] = name
+    return out
+
+
+def reads_settings(source: type, part: str):
+    """Class decorator: ``cls`` as a dataclass whose fields are first every setting of ``source`` that ``part``
+    reads (:func:`read_by`; their defaults and declarations as declared there, never restated), then
+    ``cls``'s own annotated fields; ``cls.read(values)`` takes those settings' values from a ``source``
+    instance (each converted by its declaration)."""
+
+    def wrap(cls: type) -> type:
+        own = dataclass(cls)
+        src = {f.name: f for f in dataclasses.fields(source)}
+        hints = typing.get_type_hints(source)
+        fields = []
+        for alias, name in read_by(source, part).items():
+            f = src[name]
+            kw = {"default_factory": f.default_factory} if f.default_factory is not dataclasses.MISSING else \
+                {"default": f.default}
+            fields.append((alias, hints[name], dataclasses.field(metadata=f.metadata, **kw)))
+        fields += [(f.name, f.type, f) for f in dataclasses.fields(own)]
+        ns = {k: v for k, v in cls.__dict__.items()
+              if k not in ("__dict__", "__weakref__", "__dataclass_fields__", "__dataclass_params__", "__init__",
+                           "__repr__", "__eq__", "__annotations__", "__match_args__", "__hash__")
+              and k not in {f[0] for f in fields}}
+        ns["__module__"], ns["__qualname__"] = cls.__module__, cls.__qualname__
+        return dataclasses.make_dataclass(cls.__name__, fields, namespace=ns)
+
+    return wrap
+
+
+def settings_values(obj: Any, part: str) -> dict[str, Any]:
+    """The values of ``obj``'s settings that ``part`` reads, under their names there, each converted to its
+    declared type (:func:`coerce`: a byte size as its number, a list as a tuple)."""
+    decls = settings_of(type(obj))
+    return {alias: coerce(decls[name], getattr(obj, name)) for alias, name in read_by(type(obj), part).items()}
 
 
 # ------------------------------------------------------------------------------------------------ the settings

@@ -37,6 +37,7 @@ from torch import nn
 from ..decl import check_values, from_values
 from ..models import Model, build_model
 from .spec import RunSpec, load_weights, weights_of
+from .state import ServerState, state_from
 from .steps import run_steps
 
 Meta = dict[str, Any]
@@ -126,6 +127,16 @@ class Method:
     class Params:
         pass
 
+    State = ServerState  # the server state's fields (core.state): a method with more declares State(Base.State)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        for base in cls.__mro__[1:]:  # a State that drops a base's fields would fail in that base's hooks
+            st = base.__dict__.get("State")
+            if st is not None and not issubclass(cls.State, st):
+                raise TypeError(f"{cls.__qualname__}.State must subclass {base.__qualname__}.State "
+                                f"(declare State({base.__qualname__}.State, ...))")
+
     def __init__(self, spec: RunSpec, params: Any = None):
         self.spec = spec
         self.p = params if params is not None else self.Params()
@@ -165,17 +176,21 @@ class Method:
         return self._net
 
     # ---------------------------------------------------------------- server
-    def init_server(self) -> dict:
-        return {"weights": weights_of(self.new_model())}
+    def init_server(self) -> ServerState:
+        return self.State(weights=weights_of(self.new_model()))
 
-    def configure(self, state: dict, rnd: int, cid: int) -> Message:
-        return Message(arrays=dict(state["weights"]))
+    def server_state(self, tree: Any) -> ServerState:
+        """The method's :attr:`State` from a saved tree (a checkpoint's, a Flower record's: ``core.state.tree_of``)."""
+        return state_from(self.State, tree, owner=f"method {self.name}")
 
-    def aggregate(self, state: dict, rnd: int, replies: list[tuple[int, Message]]) -> dict:
+    def configure(self, state: ServerState, rnd: int, cid: int) -> Message:
+        return Message(arrays=dict(state.weights))
+
+    def aggregate(self, state: ServerState, rnd: int, replies: list[tuple[int, Message]]) -> ServerState:
         from .aggregation import weighted_average
 
         new = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies])
-        state["weights"] = {**state["weights"], **new}
+        state.weights = {**state.weights, **new}
         return state
 
     # ---------------------------------------------------------------- client
@@ -212,21 +227,21 @@ class Method:
         return cls.local_steps is not Method.local_steps and cls.local_train is Method.local_train
 
     # ---------------------------------------------------------------- post-training phases
-    def phase_configure(self, phase: str, state: dict, cid: int) -> Message:
+    def phase_configure(self, phase: str, state: ServerState, cid: int) -> Message:
         return self.configure(state, PHASE, cid)
 
     def phase_client(self, phase: str, payload: Message, cstate: dict, data, gen) -> tuple[Message, dict]:
         return Message(), cstate
 
-    def phase_aggregate(self, phase: str, state: dict, replies: list[tuple[int, Message]]) -> dict:
+    def phase_aggregate(self, phase: str, state: ServerState, replies: list[tuple[int, Message]]) -> ServerState:
         return state
 
     # ---------------------------------------------------------------- inference
-    def global_model(self, state: dict) -> Predictor | dict[str, Predictor]:
-        m = self.eval_model(state["weights"])
+    def global_model(self, state: ServerState) -> Predictor | dict[str, Predictor]:
+        m = self.eval_model(state.weights)
         return Predictor(m.backbone, m.head, shared_backbone=True)
 
-    def eval_payload(self, state: dict, cid: int) -> Message:
+    def eval_payload(self, state: ServerState, cid: int) -> Message:
         return self.configure(state, EVALUATION, cid)
 
     def personal_model(self, payload: Message, cstate: dict, data) -> Predictor | dict[str, Predictor] | None:

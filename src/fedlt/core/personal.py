@@ -67,7 +67,7 @@ class PartialSharing(Method):
         return self._split()[1]
 
     def configure(self, state, rnd, cid):
-        return Message({k: v for k, v in state["weights"].items() if k in self.shared})
+        return Message({k: v for k, v in state.weights.items() if k in self.shared})
 
     def init_client(self, cid, data):
         return {"local": initial_weights(self, self.local)}

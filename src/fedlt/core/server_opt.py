@@ -14,18 +14,20 @@ global step ``eta_g``.
 Only trainable parameters go through the optimiser. Buffers (BatchNorm running statistics, the integer
 ``num_batches_tracked``) have no gradient meaning and take the plain sample-weighted average.
 
-The optimiser's state (momentum, Adam moments) lives in the server state dict under one key, so it is saved
-with checkpoints and never sent to a client.
+The optimiser's state (momentum, Adam moments) lives in the server state under one field (``server_opt``), so
+it is saved with checkpoints and never sent to a client.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
 from .aggregation import weighted_average
+from .state import ServerState
 
 Arrays = dict[str, torch.Tensor]
 
@@ -52,25 +54,31 @@ class ServerOpt(ParamKeys):
     """Mixin for a Method (before it in the bases: ``class FedAvgM(ServerOpt, FedAvg)``): FedAvg's clients plus a
     server optimiser on the pseudo-gradient; the method gives ``direction(g, opt)``.
 
-    ``Params`` must have ``server_lr``. The optimiser state is ``state["server_opt"]``.
+    ``Params`` must have ``server_lr``. The optimiser state is ``state.server_opt``.
     """
+
+    @dataclass
+    class State(ServerState):
+        server_opt: dict[str, Any] = field(default_factory=dict)  # the optimiser's buffers (momentum, Adam moments)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         if not self.p.server_lr > 0:
             raise ConfigError(f"{self.name}: server_lr must be > 0, got {self.p.server_lr}")
 
-    def init_server(self) -> dict:
-        return {**super().init_server(), "server_opt": {}}
+    def init_server(self) -> "ServerOpt.State":
+        state = super().init_server()
+        state.server_opt = {}
+        return state
 
     def direction(self, g: Arrays, opt: dict) -> Arrays:
         raise NotImplementedError
 
-    def aggregate(self, state, rnd, replies):
+    def aggregate(self, state: "ServerOpt.State", rnd, replies):
         avg = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies])
-        g = pseudo_gradient(state["weights"], avg, self.param_keys)
-        d = self.direction(g, state.setdefault("server_opt", {}))
-        state["weights"] = server_step(state["weights"], avg, d, self.p.server_lr)
+        g = pseudo_gradient(state.weights, avg, self.param_keys)
+        d = self.direction(g, state.server_opt)
+        state.weights = server_step(state.weights, avg, d, self.p.server_lr)
         return state
 
 

@@ -14,32 +14,84 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..decl import DATA, INT32, TRAIN, setting, show
 from ..errors import ConfigError
+
+
+def parse_milestones(value: Any) -> tuple[int, ...]:
+    """``"160,240"``, ``[160, 240]`` or ``()`` -> ``(160, 240)``; a one-line ConfigError for anything else."""
+    bad = ConfigError(f"lr-milestones expects comma-separated round numbers (e.g. 160,240), got {show(value)}")
+    if isinstance(value, str):  # "160,240" or "[160, 240]" (a Flower run config's text of a list)
+        text = value.strip()
+        text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+        if "[" in text or "]" in text:
+            raise bad
+        items = text.split(",")
+    elif isinstance(value, (list, tuple)) or not value:
+        items = list(value or ())
+    else:
+        raise bad
+    try:
+        out = tuple(int(str(v).strip()) for v in items if str(v).strip() and str(v).strip().isascii())
+    except ValueError:
+        raise bad from None
+    if len(out) != sum(bool(str(v).strip()) for v in items) or isinstance(value, bool):
+        raise bad
+    if any(m < 1 for m in out) or list(out) != sorted(set(out)):
+        raise ConfigError(f"lr-milestones must be increasing round numbers >= 1, got {show(value)}")
+    return out
+
+
+def milestones_text(value: Any) -> str:
+    """The canonical text of lr_milestones ("160,240"), from text or a TOML list."""
+    return ",".join(map(str, parse_milestones(value)))
+
+
+
+LR_SCHEDULES = ("constant", "step", "cosine")
 
 
 @dataclass
 class RunSpec:
-    """What both sides of a method know about the run (the same on every process)."""
+    """What both sides of a method know about the run (the same on every process).
+
+    The fields that are settings of the run are declared here, where the lowest layer that reads them is: their
+    default, range and help, once. The run configuration (``fedlt.config.RunConfig``) includes each of them
+    (``decl.declared_in``), and ``fedlt.runner.rundir.make_spec`` fills them from it (``decl.settings_values``:
+    every setting whose declaration says the spec reads it); the others come from the data and the model."""
 
     model: str
     in_shape: tuple[int, int, int]
     num_classes: int
-    seed: int = 0
-    lr: float = 0.05  # the local lr of round 1; each round's follows the schedule (lr_at), sent in its messages
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    batch_size: int = 32
-    local_epochs: int = 2
-    rounds: int = 50
-    num_clients: int = 20
-    device: str = "cpu"
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (core.training.autocast)
-    channels_last: str = "auto"  # auto (on CUDA under bf16/fp16, for models with convolutions) | on | off
-    cache_dir: str | None = None
-    lr_schedule: str = "constant"  # constant | step | cosine (scheduled_lr)
-    lr_milestones: tuple[int, ...] = ()
-    lr_gamma: float = 0.1
-    allow_large: bool = False  # --allow-large: method parameters past their limits were given on purpose
+    seed: int = setting(0, "the one seed of the run", low=0, high=2**63 - 1, group=TRAIN, reads=("spec",))
+    # the local lr of round 1; each round's follows the schedule (lr_at), sent in its messages
+    lr: float = setting(0.05, "local learning rate", low=0, low_open=True, group=TRAIN, reads=("spec",))
+    momentum: float = setting(0.9, "SGD momentum", low=0, high=1, high_open=True, group=TRAIN, reads=("spec",))
+    weight_decay: float = setting(0.0, "weight decay", low=0, group=TRAIN, reads=("spec",))
+    batch_size: int = setting(32, "local batch size", low=1, high=INT32, group=TRAIN, reads=("spec",))
+    local_epochs: int = setting(2, "local epochs", low=0, limit=10**4, group=TRAIN, reads=("spec",))
+    rounds: int = setting(50, "communication rounds", low=1, limit=10**6, group=TRAIN, reads=("spec",))
+    num_clients: int = setting(20, "number of clients K", low=1, limit=10**6, group=DATA,
+                               reads=("spec:num_clients",))
+    device: str = setting("cpu", "torch device: cpu, cuda or cuda:N", group=TRAIN, result=False, reads=("spec",))
+    precision: str = setting("fp32", "training precision: bf16 or fp16 autocast, fp16 with a gradient scaler "
+                                     "(CUDA only)", choices=("fp32", "bf16", "fp16"), group=TRAIN,
+                             reads=("spec",))  # core.training.autocast
+    channels_last: str = setting("auto", "channels_last memory format for convolutional models (auto: on CUDA "
+                                         "under bf16/fp16)", choices=("auto", "on", "off"), group=TRAIN,
+                                 reads=("spec",))
+    cache_dir: str | None = None  # $FEDLT_CACHE: decoded and pre-computed data kept between runs
+    lr_schedule: str = setting("constant", "lr per round: constant, step (x lr-gamma after each milestone), cosine "
+                                           "(to 0 over the rounds)", choices=LR_SCHEDULES, group=TRAIN,
+                               reads=("spec",))
+    lr_milestones: str = setting("", "step schedule: rounds after which the lr decays (FedDr+: 160,240; a TOML "
+                                     "list too)", parse=milestones_text, metavar="R1,R2", group=TRAIN,
+                                 reads=("spec",))
+    lr_gamma: float = setting(0.1, "step schedule: decay factor", low=0, low_open=True, group=TRAIN,
+                              reads=("spec",))
+    # --allow-large: method parameters past their limits were given on purpose
+    allow_large: bool = setting(False, "allow values past the limits (rounds, clients, local epochs, ...) that "
+                                       "catch typos, on purpose", group=TRAIN, result=False, reads=("spec",))
     # The data settings (dataset, data_dir, imbalance_ratio, lt_profile, tail_classes, n_max, seed), plain
     # values like the rest: a server that holds data of its own (Ratio Loss's auxiliary balanced set) can
     # rebuild which training samples the clients hold, and draw its own from the others; and input_mean /
@@ -49,10 +101,10 @@ class RunSpec:
     def lr_at(self, rnd: int) -> float:
         """The local learning rate of round ``rnd`` by the run's schedule: what the driver sends to the clients in
         that round's messages (``Message.lr``), and what server-side training of that round uses."""
-        return scheduled_lr(self.lr, self.lr_schedule, self.lr_milestones, self.lr_gamma, self.rounds, rnd)
+        return scheduled_lr(self.lr, self.lr_schedule, parse_milestones(self.lr_milestones), self.lr_gamma,
+                            self.rounds, rnd)
 
 
-LR_SCHEDULES = ("constant", "step", "cosine")
 
 
 def scheduled_lr(lr: float, schedule: str, milestones, gamma: float, rounds: int, rnd: int) -> float:

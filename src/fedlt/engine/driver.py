@@ -24,18 +24,18 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Protocol
 
 import numpy as np
 import torch
 
-from ..config import clients_per_round
+from ..config import RunConfig, clients_per_round, lr_at
 from ..core.method import Message, Method, derive_seed
+from ..core.state import snapshot, tree_of, typed
+from ..decl import reads_settings, settings_values
 from ..errors import ConfigError
 from ..metrics import headline
-from .clientstate import DEFAULT_BUDGET
 from .faults import Faults, RoundPlan
 
 SAMPLING, TRAIN, PHASE, EVAL_SAMPLE = 10, 11, 12, 13
@@ -105,31 +105,21 @@ def set_rng_state(d: dict) -> None:
         torch.cuda.set_rng_state_all(d["cuda"])
 
 
-@dataclass
+@reads_settings(RunConfig, "engine")
 class EngineConfig:
-    rounds: int = 50
-    participation: float = 0.5
-    eval_every: int = 5
-    seed: int = 0
-    split: str = "fedloge"
+    """The engine's part of a run: every setting whose declaration says the engine reads it (``reads=("engine",)``
+    in ``fedlt.config.RunConfig``: rounds, participation, seed, client_parallel, cuda_graphs, client_state_memory,
+    eval_every, eval_clients, split -- with their declared defaults), then what the run derives for the engine."""
+
     progress: bool = True
-    client_parallel: str = "auto"  # auto | off | N: clients trained together (engine.batched)
-    lr: Callable[[int], float] | None = None  # the local lr of each round (config.lr_at); None: spec.lr, constant
-    cuda_graphs: bool = False  # batched steps in static mode, replayed as CUDA graphs on CUDA (engine.graphs)
-    client_state_memory: int = DEFAULT_BUDGET  # bytes of client states held in memory (engine.clientstate)
-    eval_clients: float = 1.0  # PM over all clients (1), or a seeded sample: a fraction (< 1) or a count (> 1)
+    lr_of_round: Callable[[int], float] | None = None  # each round's local lr (config.lr_at); None: spec.lr, constant
     faults: Faults | None = None  # clients away, dropping out, straggling (engine.faults); None: every one answers
 
     @classmethod
     def of(cls, cfg, progress: bool = True) -> "EngineConfig":
         """The engine's part of a run configuration (``fedlt.config.RunConfig``)."""
-        from ..config import SETTINGS, lr_at
-        from ..decl import coerce
-
-        return cls(cfg.rounds, cfg.participation, cfg.eval_every, cfg.seed, cfg.split, progress,
-                   str(cfg.client_parallel), lr=partial(lr_at, cfg), cuda_graphs=bool(cfg.cuda_graphs),
-                   client_state_memory=coerce(SETTINGS["client_state_memory"], cfg.client_state_memory),
-                   eval_clients=float(cfg.eval_clients), faults=faults if (faults := Faults.of(cfg)).active else None)
+        return cls(**settings_values(cfg, "engine"), progress=progress, lr_of_round=partial(lr_at, cfg),
+                   faults=faults if (faults := Faults.of(cfg)).active else None)
 
 
 Replies = list[tuple[int, Message]]  # (client id, reply), in client-id order
@@ -174,7 +164,7 @@ class Driver:
                                           cfg.rounds, cfg.seed)
         self.eval_clients = eval_sample(num_clients, cfg.eval_clients, cfg.seed)
         self.round = 0
-        self.state = method.init_server()
+        self.state = typed(method, method.init_server())
         self.history: list[dict] = []
         self.missing: dict[str, list[int]] = {}  # "round 3" / "phase la-fr" / "eval 5" -> client ids
         self.echo: Callable[[str], None] = lambda line: None  # what a missing client prints
@@ -202,7 +192,7 @@ class Driver:
         clients and the global RNG states. The sampling schedule and the per-(round, client) generators
         derive from the seed, so they need no saving. The dict refers to live objects: serialise it at once
         (fedlt.safefile.save_tree)."""
-        return {"round": self.round, "state": self.state, "client_states": self.transport.state_dict(),
+        return {"round": self.round, "state": tree_of(self.state), "client_states": self.transport.state_dict(),
                 "history": self.history, "missing": self.missing, "method": self.method.state_dict(),
                 "rng": rng_state()}
 
@@ -210,7 +200,7 @@ class Driver:
         """Continue from a :meth:`state_dict`; ``run()`` then goes on with round ``d["round"] + 1``."""
         if d["round"] > self.cfg.rounds:
             raise ConfigError(f"checkpoint is at round {d['round']} but the run has only {self.cfg.rounds} rounds")
-        self.round, self.state = int(d["round"]), d["state"]
+        self.round, self.state = int(d["round"]), self.method.server_state(d["state"])
         self.transport.load_state_dict(dict(d["client_states"]))
         self.history = list(d["history"])
         self.missing = {k: list(v) for k, v in d.get("missing", {}).items()}
@@ -223,7 +213,7 @@ class Driver:
         set): ``lr``, the round's local learning rate (a phase's: the last round's). The method's spec is never
         changed: its ``lr`` stays the run's."""
         rnd = index if kind == TRAINING else self.cfg.rounds
-        return {"lr": self.method.spec.lr if self.cfg.lr is None else self.cfg.lr(rnd)}
+        return {"lr": self.method.spec.lr if self.cfg.lr_of_round is None else self.cfg.lr_of_round(rnd)}
 
     def payloads(self, kind: str, index: int, cids, make_payload) -> dict[int, Message]:
         """``make_payload(cid)`` (the method's configure hook) for each client, with the exchange's
@@ -328,7 +318,7 @@ class Driver:
         m = self.method
         t0 = time.perf_counter()
         cids = self.phase_clients()
-        before = _containers_copied(self.state)  # phase_aggregate may add to the state it is given
+        before = snapshot(self.state)  # phase_aggregate may add to the state it is given
         replies, comm = self.exchange(phase, index, f"phase {phase}", cids,
                                       lambda c: m.phase_configure(phase, self.state, c))
         self.state = m.phase_aggregate(phase, self.state, replies)
@@ -376,7 +366,7 @@ class Driver:
         for mode, rep in ev.get("global", {}).items():
             if "collapsed" in rep and "collapsed" not in self.said:
                 self.said.add("collapsed")
-                lr = self.cfg.lr(self.round) if self.cfg.lr is not None else None
+                lr = self.cfg.lr_of_round(self.round) if self.cfg.lr_of_round is not None else None
                 self.echo(f"warning: {tag} of {self.method.name}: the global model ({mode}) predicts class "
                           f"{rep['collapsed']} for every test sample: training has collapsed to one class"
                           + (f" (a smaller --lr than {lr:g} may avoid it; the method's page names its own "
@@ -414,16 +404,6 @@ class Driver:
             final = self.evaluate("final")
         self.log({"final": final})
         return final
-
-
-def _containers_copied(tree):
-    """``tree`` with its dicts and lists copied and its tensors shared (a snapshot that what is later added to or
-    replaced in the state does not change)."""
-    if isinstance(tree, dict):
-        return {k: _containers_copied(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_containers_copied(v) for v in tree]
-    return tree
 
 
 def pm_note(ev: dict, sampled: int, population: int, missing: int) -> str | None:

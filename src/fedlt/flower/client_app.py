@@ -50,6 +50,8 @@ from flwr.clientapp import ClientApp
 
 from ..config import RunConfig
 from ..core.method import Message, Method, RunSpec
+from ..core.spec import milestones_text
+from ..core.state import tree_of
 from ..data.federated import ClientData, Prep
 from ..data.partition import partition_settings
 from ..core.training import autocast
@@ -76,8 +78,8 @@ class Job:
     def parse(cls, text: str) -> "Job":
         d = json.loads(text)
         cfg = RunConfig(**d["config"])
-        spec_d = dict(d["spec"], in_shape=tuple(d["spec"]["in_shape"]),
-                      lr_milestones=tuple(d["spec"].get("lr_milestones", ())))
+        spec_d = dict(d["spec"], in_shape=tuple(d["spec"]["in_shape"]))
+        spec_d["lr_milestones"] = milestones_text(spec_d.get("lr_milestones", ""))  # a list from older servers
         spec = RunSpec(**{f.name: spec_d[f.name] for f in fields(RunSpec) if f.name in spec_d})
         return cls(cfg, spec, d["prep"])
 
@@ -276,7 +278,7 @@ def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
     if pp is None:
         if "fedlt.global" not in msg.content:
             return node.reply(msg, source="needs-global", reports="{}")
-        gm = m.global_model(records_value(msg.content["fedlt.global"], msg.content["fedlt.global.arrays"]))
+        gm = m.global_model(m.server_state(records_value(msg.content["fedlt.global"], msg.content["fedlt.global.arrays"])))
         if gm is None:
             raise ConfigError(f"method {m.name} has neither a global nor a personal model")
         pp, source = {"global": next(iter(as_modes(gm, "global").values()))}, "global"  # main mode, as simulated
@@ -291,7 +293,7 @@ def global_state_records(state: dict) -> RecordDict:
     model): the records ``fedlt.global`` / ``fedlt.global.arrays``."""
     from .records import value_records
 
-    cfg, arr = value_records(state, "server state")
+    cfg, arr = value_records(tree_of(state), "server state")
     return RecordDict({"fedlt.global": cfg, "fedlt.global.arrays": arr})
 
 

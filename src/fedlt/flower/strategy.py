@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import Strategy
 
 from ..config import RunConfig
 from ..core.method import Message, Method
+from ..core.state import tree_of
 from ..data import Federation
 from ..data.datasets import load_dataset
 from ..data.federated import Prep
@@ -211,7 +212,8 @@ class FedltStrategy(Strategy):
         if got:
             self.state = self.method.aggregate(self.state, server_round,
                                                [(cid, from_records(got[cid])) for cid in sorted(got)])
-        w = self.state.get("weights") if isinstance(self.state, dict) else None
+        tree = tree_of(self.state)
+        w = tree.get("weights") if isinstance(tree, dict) else None
         return (ArrayRecord(dict(w)) if w else None), MetricRecord({"clients": len(got)})
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

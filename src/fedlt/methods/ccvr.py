@@ -56,9 +56,13 @@ class CCVR(FedAvg):
         weight_decay: float = setting(1e-5, "re-training weight decay", low=0)
         biased_local_cov: bool = setting(False, "the reimplementation's 1/N local covariance")
 
+    @dataclass
+    class State(FedAvg.State):
+        calibrated: dict[str, torch.Tensor] | None = None  # the calibrated head (None before the ccvr phase)
+
     # ------------------------------------------------------------------ the calibration phase
     def phase_configure(self, phase, state, cid):
-        return Message(dict(state["weights"]))
+        return Message(dict(state.weights))
 
     def phase_client(self, phase, payload, cstate, data, gen):
         net = self.net
@@ -69,10 +73,10 @@ class CCVR(FedAvg):
     def phase_aggregate(self, phase, state, replies):
         gen = torch.Generator(device="cpu").manual_seed(derive_seed(self.spec.seed, SAMPLE))
         drawn = draw_class_features([r for _, r in replies], "ccvr", self.p.per_class, gen, self.spec.device)
-        W, b = state["weights"]["head.weight"], state["weights"]["head.bias"]
+        W, b = state.weights["head.weight"], state.weights["head.bias"]
         if drawn is not None:
             W, b = self.retrain(*drawn, W, b)
-        state["calibrated"] = {"head.weight": W, "head.bias": b}
+        state.calibrated = {"head.weight": W, "head.bias": b}
         return state
 
     def retrain(self, feats, labels, W, b):
@@ -86,4 +90,4 @@ class CCVR(FedAvg):
 
     # ------------------------------------------------------------------ inference
     def global_model(self, state):
-        return retrained_head_modes(self.eval_model(state["weights"]), state.get("calibrated"), "calibrated")
+        return retrained_head_modes(self.eval_model(state.weights), state.calibrated, "calibrated")

@@ -54,8 +54,8 @@ class Centralized(Method):
             raise ConfigError("centralized needs the pooled training data: run it through `fedlt run` or "
                               "fedlt.runner.rundir.prepare, which attach it (method.pool = federation.pooled())")
         net = self.net
-        load_weights(net, state["weights"])
+        load_weights(net, state.weights)
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, POOL_TRAIN, rnd))
         train_local(net, self.pool, self.spec, gen, epochs=self.p.epochs_per_round, lr=self.spec.lr_at(rnd))
-        state["weights"] = weights_of(net)
+        state.weights = weights_of(net)
         return state

@@ -34,7 +34,7 @@ dual_every 5.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -76,13 +76,19 @@ class CLIMB(Method):
         dual_every: int = setting(5, "primal rounds per dual step (official n_p_steps)", low=1, limit=10**6)
         weighted: bool = setting(False, "n_k-weighted primal step (RedGrape port); official: uniform over clients")
 
+    @dataclass
+    class State(Method.State):
+        lam: torch.Tensor | None = None  # [K] the dual variables, one per client (cpu)
+        pending: dict[int, float] = field(default_factory=dict)  # client -> its loss, since the last dual step
+
     # ------------------------------------------------------------------ server
-    def init_server(self) -> dict:
-        return {"weights": weights_of(self.new_model()), "lam": torch.zeros(self.spec.num_clients, device="cpu"),
-                "pending": {}}
+    def init_server(self) -> "CLIMB.State":
+        state = super().init_server()
+        state.lam = torch.zeros(self.spec.num_clients, device="cpu")
+        return state
 
     def aggregate(self, state, rnd, replies):
-        w, lam = state["weights"], state["lam"]
+        w, lam = state.weights, state.lam
         keys = list(w)
         n = sum(r.meta["num_examples"] for _, r in replies)
         new = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)  # integer buffers
@@ -93,12 +99,12 @@ class CLIMB(Method):
                     share = r.meta["num_examples"] / n if self.p.weighted else 1.0 / len(replies)
                     step += share * float(1 + lam[cid] - lam.mean()) * (r.arrays[k] - w[k])
                 new[k] = w[k] + step
-        state["weights"] = new
+        state.weights = new
         for cid, r in replies:
-            state["pending"][cid] = float(r.arrays["climb.loss"][0])
+            state.pending[cid] = float(r.arrays["climb.loss"][0])
         if rnd % self.p.dual_every == 0:
-            state["lam"] = dual_step(lam, state["pending"], self.p.dual_lr, self.p.epsilon)
-            state["pending"] = {}
+            state.lam = dual_step(lam, state.pending, self.p.dual_lr, self.p.epsilon)
+            state.pending = {}
         return state
 
     # ------------------------------------------------------------------ client

@@ -109,6 +109,12 @@ class CReFF(Method):
         dsa: bool = setting(False, "official main.py: Differentiable Siamese Augmentation of every real per-class "
                                    "batch")
 
+    @dataclass
+    class State(Method.State):
+        crt: dict[str, torch.Tensor] | None = None  # the re-trained classifier's entries ("crt.weight", "crt.bias")
+        feats: torch.Tensor | None = None  # the federated (synthetic) features, C * ipc x d
+        labels: torch.Tensor | None = None  # their class labels
+
     def new_head(self, purpose: int, rnd: int = 0) -> nn.Linear:
         d, C = self.net.feature_dim, self.spec.num_classes
         with torch.random.fork_rng(devices=[]):
@@ -116,30 +122,30 @@ class CReFF(Method):
             return nn.Linear(d, C).to(self.spec.device)
 
     # ------------------------------------------------------------------ server
-    def init_server(self) -> dict:
+    def init_server(self) -> "CReFF.State":
         C, d = self.spec.num_classes, self.net.feature_dim
         g = torch.Generator().manual_seed(derive_seed(self.spec.seed, FEAT_INIT))
         feats = torch.randn(C * self.p.ipc, d, generator=g, device="cpu").to(self.spec.device)
         labels = torch.arange(C, device=self.spec.device).repeat_interleave(self.p.ipc)
         crt = {f"crt.{k}": v for k, v in weights_of(self.new_head(HEAD_INIT)).items()}
-        return {"weights": weights_of(self.new_model()), "crt": crt, "feats": feats, "labels": labels}
+        return self.State(weights=weights_of(self.new_model()), crt=crt, feats=feats, labels=labels)
 
     def configure(self, state, rnd, cid):
-        return Message({**state["weights"], **state["crt"]})
+        return Message({**state.weights, **state.crt})
 
     def aggregate(self, state, rnd, replies):
         p = self.p
-        keys = list(state["weights"])
-        state["weights"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
+        keys = list(state.weights)
+        state.weights = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
         targets = mean_class_grads([r for _, r in replies], "grad")
-        W, b = state["crt"]["crt.weight"], state["crt"]["crt.bias"]
+        W, b = state.crt["crt.weight"], state.crt["crt.bias"]
         with torch.enable_grad():
-            state["feats"] = match_features(state["feats"], state["labels"], W, b, targets, p.match_epochs,
-                                            p.lr_feature, self.feature_loss())
+            state.feats = match_features(state.feats, state.labels, W, b, targets, p.match_epochs,
+                                         p.lr_feature, self.feature_loss())
             gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, CRT_SHUFFLE, rnd))
-            head = retrain_head(state["feats"], state["labels"], self.new_head(CRT_INIT, rnd), p.crt_epochs,
+            head = retrain_head(state.feats, state.labels, self.new_head(CRT_INIT, rnd), p.crt_epochs,
                                 p.lr_net, p.crt_batch_size, gen)
-        state["crt"] = {f"crt.{k}": v for k, v in weights_of(head).items()}
+        state.crt = {f"crt.{k}": v for k, v in weights_of(head).items()}
         return state
 
     # ------------------------------------------------------------------ client
@@ -178,10 +184,10 @@ class CReFF(Method):
 
     # ------------------------------------------------------------------ inference
     def global_model(self, state):
-        m = self.eval_model(state["weights"])
+        m = self.eval_model(state.weights)
         if getattr(self, "_crt_eval", None) is None:
             self._crt_eval = self.new_head(HEAD_INIT)
-        load_weights(self._crt_eval, {k[4:]: v for k, v in state["crt"].items()})
+        load_weights(self._crt_eval, {k[4:]: v for k, v in state.crt.items()})
         self._crt_eval.eval()
         return {"retrained": Predictor(m.backbone, self._crt_eval, shared_backbone=True),
                 "fedavg_head": Predictor(m.backbone, m.head, shared_backbone=True)}

@@ -122,6 +122,11 @@ class DFLFS(Method):
         batch_size: int = setting(32, "its batch size", low=1, high=2**31 - 1)
         official_cov: bool = setting(False, "the released code's scalar between-client covariance term")
 
+    @dataclass
+    class State(Method.State):
+        selected: torch.Tensor | None = None  # the clients whose models the last round averaged (cpu, long)
+        retrained: dict[str, torch.Tensor] | None = None  # stage 2's re-trained classifier (None: none yet)
+
     # ------------------------------------------------------------------ stage 1
     def feature_mask(self, rnd: int) -> torch.Tensor:
         d = self.net.feature_dim
@@ -132,7 +137,7 @@ class DFLFS(Method):
         return m.to(self.spec.device)
 
     def configure(self, state, rnd, cid):
-        arrays = dict(state["weights"])
+        arrays = dict(state.weights)
         if self.p.select == "cluster":
             arrays["dflfs.mask"] = self.feature_mask(rnd)
         return Message(arrays)
@@ -164,14 +169,14 @@ class DFLFS(Method):
 
     def aggregate(self, state, rnd, replies):
         kept = self.select(rnd, replies)
-        keys = list(state["weights"])
-        state["weights"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in kept], keys)
-        state["selected"] = torch.tensor([cid for cid, _ in kept], dtype=torch.long, device="cpu")
+        keys = list(state.weights)
+        state.weights = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in kept], keys)
+        state.selected = torch.tensor([cid for cid, _ in kept], dtype=torch.long, device="cpu")
         return state
 
     # ------------------------------------------------------------------ stage 2
     def phase_configure(self, phase, state, cid):
-        return Message(dict(state["weights"]))
+        return Message(dict(state.weights))
 
     def phase_client(self, phase, payload, cstate, data, gen):
         net = self.net
@@ -192,12 +197,12 @@ class DFLFS(Method):
                 head.bias.copy_((torch.rand(C, generator=g, device="cpu") * 2 - 1) / d ** 0.5)
             shuffle = torch.Generator().manual_seed(derive_seed(self.spec.seed, SHUFFLE))
             retrain_head(*drawn, head, p.epochs, p.lr, p.batch_size, shuffle)
-            state["retrained"] = {"head.weight": head.weight.detach().clone(), "head.bias": head.bias.detach().clone()}
+            state.retrained = {"head.weight": head.weight.detach().clone(), "head.bias": head.bias.detach().clone()}
         return state
 
     # ------------------------------------------------------------------ inference
     def global_model(self, state):
-        return retrained_head_modes(self.eval_model(state["weights"]), state.get("retrained"), "retrained")
+        return retrained_head_modes(self.eval_model(state.weights), state.retrained, "retrained")
 
 
 def official_pool(counts: torch.Tensor, means: torch.Tensor, covs: torch.Tensor):

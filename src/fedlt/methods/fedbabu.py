@@ -49,7 +49,7 @@ class FedBABU(PartialSharing):
     def aggregate(self, state, rnd, replies):
         if not self.p.uniform:
             return super().aggregate(state, rnd, replies)
-        state["weights"] = {**state["weights"], **weighted_average([(r.arrays, 1.0) for _, r in replies])}
+        state.weights = {**state.weights, **weighted_average([(r.arrays, 1.0) for _, r in replies])}
         return state
 
     # ---------------------------------------------------------------- post-training: personalization

@@ -38,7 +38,7 @@ class FedBN(PartialSharing):
         return bn_keys(model)
 
     def global_model(self, state):
-        net = self.eval_model(state["weights"])
+        net = self.eval_model(state.weights)
         if not getattr(self, "_batch_stats", False):  # BN layers use each batch's own statistics from now on
             for m in net.modules():
                 if isinstance(m, _BatchNorm):

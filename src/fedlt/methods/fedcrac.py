@@ -162,6 +162,12 @@ class FedCRAC(Method):
                                     "sum over the chunks range(0, N, N // 4) + [N] of each chunk's mean, / 4)",
                                     choices=CALIB_CHUNKS)
 
+    @dataclass
+    class State(Method.State):
+        margin: torch.Tensor | None = None  # [C, C] class-similarity margins sent to the clients
+        mean: torch.Tensor | None = None  # [C, d] global per-class feature means (a class no client had: kept)
+        var: torch.Tensor | None = None  # [C, d] global per-class feature variances (likewise)
+
     def new_model(self):
         m = super().new_model()
         head = nn.Linear(m.feature_dim, m.num_classes, bias=False, device=self.spec.device)
@@ -173,42 +179,46 @@ class FedCRAC(Method):
     # ------------------------------------------------------------------ server
     def init_server(self):
         C, d, dev = self.spec.num_classes, self.net.feature_dim, self.spec.device
-        return {**super().init_server(), "margin": torch.full((C, C), self.p.mu, device=dev),
-                "mean": torch.zeros(C, d, device=dev), "var": torch.zeros(C, d, device=dev)}
+        state = super().init_server()
+        state.margin = torch.full((C, C), self.p.mu, device=dev)
+        state.mean, state.var = torch.zeros(C, d, device=dev), torch.zeros(C, d, device=dev)
+        return state
 
     def configure(self, state, rnd, cid):
-        return Message({**state["weights"], "fedcrac.margin": state["margin"]})
+        return Message({**state.weights, "fedcrac.margin": state.margin})
 
     def aggregate(self, state, rnd, replies):
         p = self.p
-        keys = list(state["weights"])
-        previous = state["weights"]["head.weight"]  # the classifier broadcast this round
-        state["weights"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
+        keys = list(state.weights)
+        previous = state.weights["head.weight"]  # the classifier broadcast this round
+        state.weights = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
         a = [r.arrays for _, r in replies]
         n = torch.stack([x["fedcrac.count"] for x in a])  # [K, C]
         w = n * torch.stack([x["fedcrac.stat"] for x in a]).to(n.dtype)  # weights of the clients' statistics
         total = w.sum(0)
         has = total > 0
-        for key in ("mean", "var"):
+
+        def pooled(key, old):  # the clients' statistic, weighted; a class that no client has keeps its old value
             s = (w[..., None] * torch.stack([x[f"fedcrac.{key}"] for x in a])).sum(0) / total.clamp_min(1)[:, None]
-            state[key] = torch.where(has[:, None], s, state[key])
-        state["margin"] = similarity_margin(state["mean"], p.mu)
+            return torch.where(has[:, None], s, old)
+        state.mean, state.var = pooled("mean", state.mean), pooled("var", state.var)
+        state.margin = similarity_margin(state.mean, p.mu)
         counts = n.sum(0).round().long().tolist()
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, PSEUDO, rnd))
         feats, labels = [], []
         for c, k in enumerate(counts):
             if k > 0:
-                eps = torch.randn(k, state["mean"].shape[1], generator=gen, device="cpu").to(self.spec.device)
-                feats.append(state["mean"][c] + eps * state["var"][c].clamp_min(0).sqrt())
+                eps = torch.randn(k, state.mean.shape[1], generator=gen, device="cpu").to(self.spec.device)
+                feats.append(state.mean[c] + eps * state.var[c].clamp_min(0).sqrt())
                 labels.append(torch.full((k,), c, dtype=torch.long, device=self.spec.device))
-        head = previous.clone() if p.calib_start == "previous" else state["weights"]["head.weight"]
+        head = previous.clone() if p.calib_start == "previous" else state.weights["head.weight"]
         if feats:
             with torch.enable_grad():
                 head = calibrate(
-                    head, state["margin"], torch.cat(feats), torch.cat(labels),
+                    head, state.margin, torch.cat(feats), torch.cat(labels),
                     p.crt_epochs, self.spec.lr_at(rnd) if p.crt_lr is None else float(p.crt_lr), p.scale, p.kd_alpha, p.kd_T,
                     p.kd_reduction, p.calib_chunks)
-        state["weights"]["head.weight"] = head
+        state.weights["head.weight"] = head
         return state
 
     # ------------------------------------------------------------------ client

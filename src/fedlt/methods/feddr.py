@@ -100,7 +100,7 @@ class FedDrPlus(Method):
 
     # ---------------------------------------------------------------- server
     def configure(self, state, rnd, cid):
-        return Message({k: state["weights"][k] for k in self.sent})
+        return Message({k: state.weights[k] for k in self.sent})
 
     # ---------------------------------------------------------------- client
     def _train(self, arrays, data, gen, beta: float, epochs: int, lr: float) -> dict:

@@ -44,30 +44,36 @@ class FedDyn(ParamKeys, FedAvg):
     class Params:
         alpha: float = setting(0.01, "strength of the dynamic regulariser", low=0, low_open=True)
 
+    @dataclass
+    class State(FedAvg.State):
+        h: dict[str, torch.Tensor] | None = None  # the server's h (one tensor per trainable parameter)
+        average: dict[str, torch.Tensor] | None = None  # the plain mean of the last round's client models
+
     def _zeros(self, weights) -> dict[str, torch.Tensor]:
         return {k: torch.zeros_like(weights[k]) for k in self.param_keys}
 
     # ------------------------------------------------------------------ server
-    def init_server(self) -> dict:
-        st = super().init_server()
-        return {**st, "h": self._zeros(st["weights"]), "average": dict(st["weights"])}
+    def init_server(self) -> "FedDyn.State":
+        state = super().init_server()
+        state.h, state.average = self._zeros(state.weights), dict(state.weights)
+        return state
 
-    def aggregate(self, state, rnd, replies):
-        theta, keys, a = state["weights"], self.param_keys, self.p.alpha
+    def aggregate(self, state: "FedDyn.State", rnd, replies):
+        theta, keys, a = state.weights, self.param_keys, self.p.alpha
         avg = weighted_average([(r.arrays, 1.0) for _, r in replies])
         m = self.spec.num_clients
         for k in keys:
             drift = sum(r.arrays[k] - theta[k] for _, r in replies)
-            state["h"][k] = state["h"][k] - a / m * drift
-        state["average"] = avg
-        state["weights"] = {**theta, **avg, **{k: avg[k] - state["h"][k] / a for k in keys}}
+            state.h[k] = state.h[k] - a / m * drift
+        state.average = avg
+        state.weights = {**theta, **avg, **{k: avg[k] - state.h[k] / a for k in keys}}
         return state
 
-    def global_model(self, state):
-        m = self.eval_model(state["weights"])
+    def global_model(self, state: "FedDyn.State"):
+        m = self.eval_model(state.weights)
         if getattr(self, "_avg_net", None) is None:
             self._avg_net = self.new_model()
-        load_weights(self._avg_net, state["average"])
+        load_weights(self._avg_net, state.average)
         self._avg_net.eval()
         return {"server": Predictor(m.backbone, m.head, shared_backbone=True),
                 "average": Predictor(self._avg_net.backbone, self._avg_net.head)}

@@ -144,10 +144,10 @@ class FedETF(Method):
 
     # ---------------------------------------------------------------- server
     def configure(self, state, rnd, cid):
-        return Message({k: state["weights"][k] for k in self.sent})
+        return Message({k: state.weights[k] for k in self.sent})
 
     def global_model(self, state):
-        m = self.eval_model(state["weights"])
+        m = self.eval_model(state.weights)
         M = m.head.M.detach()
         return Predictor(m.backbone, lambda z: z @ M.T, shared_backbone=True)
 

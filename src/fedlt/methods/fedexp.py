@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..core import Predictor, load_weights, weighted_average
 from ..core.server_opt import ParamKeys, server_step, sq_norm
 from ..decl import setting
@@ -53,12 +55,18 @@ class FedExP(ParamKeys, FedAvg):
         weighting: str = setting("samples", "samples (official code) | uniform (the paper's 1/M)", choices=WEIGHTINGS)
         eval_average_last_two: bool = setting(True, "the paper's evaluation model (w_t + w_{t-1}) / 2")
 
-    def init_server(self) -> dict:
-        st = super().init_server()
-        return {**st, "prev_weights": dict(st["weights"]), "eta_g": []}
+    @dataclass
+    class State(FedAvg.State):
+        prev_weights: dict[str, torch.Tensor] | None = None  # the previous round's global weights w_{t-1}
+        eta_g: list[float] | None = None  # the server step size of every round so far
 
-    def aggregate(self, state, rnd, replies):
-        w = state["weights"]
+    def init_server(self) -> "FedExP.State":
+        state = super().init_server()
+        state.prev_weights, state.eta_g = dict(state.weights), []
+        return state
+
+    def aggregate(self, state: "FedExP.State", rnd, replies):
+        w = state.weights
         wts = [float(r.meta["num_examples"]) if self.p.weighting == "samples" else 1.0 for _, r in replies]
         avg = weighted_average([(r.arrays, wt) for (_, r), wt in zip(replies, wts)])
         keys = self.param_keys
@@ -66,16 +74,16 @@ class FedExP(ParamKeys, FedAvg):
         mean_delta = {k: avg[k] - w[k] for k in keys}
         eps = self.p.eps * (len(replies) if self.p.eps_mode == "official" else 1)
         eta = fedexp_step_size(deltas, mean_delta, wts, eps)
-        state["prev_weights"] = w
-        state["weights"] = server_step(w, avg, {k: -d for k, d in mean_delta.items()}, eta)
-        state["eta_g"].append(eta)
+        state.prev_weights = w
+        state.weights = server_step(w, avg, {k: -d for k, d in mean_delta.items()}, eta)
+        state.eta_g.append(eta)
         return state
 
-    def global_model(self, state):
-        last = self.eval_model(state["weights"])
+    def global_model(self, state: "FedExP.State"):
+        last = self.eval_model(state.weights)
         modes = {}
         if self.p.eval_average_last_two:
-            w, prev = state["weights"], state["prev_weights"]
+            w, prev = state.weights, state.prev_weights
             avg = {k: (w[k] + prev[k]) / 2 if k in self.param_keys else w[k] for k in w}
             m = self._avg_model(avg)
             modes["avg2"] = Predictor(m.backbone, m.head, shared_backbone=True)

@@ -107,14 +107,19 @@ class FedGraB(FedAvg):
         dpa_threshold: float = setting(1.0, "tail: estimated prior below dpa_threshold / C", low=0, low_open=True)
         train_head: bool = setting(True, "false: the classifier is not trained locally (the released code)")
 
+    @dataclass
+    class State(FedAvg.State):
+        tail: torch.Tensor | None = None  # the tail-class mask the clients' controllers act on (C, bool)
+        prior: torch.Tensor | None = None  # the DPA's estimated class prior (None until the DPA has run)
+
     # ------------------------------------------------------------------ server: FedAvg + DPA
-    def init_server(self) -> dict:
+    def init_server(self) -> "FedGraB.State":
         st = super().init_server()
         C, dev = self.spec.num_classes, self.spec.device
         off = self.p.dpa == "off"
-        st["tail"] = torch.full((C,), off, dtype=torch.bool, device=dev)
+        st.tail = torch.full((C,), off, dtype=torch.bool, device=dev)
         if not off and self.p.dpa_round == 0:
-            st["tail"] = self.prior_analyzer(st["weights"]["head.weight"])[1]
+            st.tail = self.prior_analyzer(st.weights["head.weight"])[1]
         return st
 
     def prior_analyzer(self, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,15 +129,15 @@ class FedGraB(FedAvg):
         return prior, prior < self.p.dpa_threshold / len(prior)
 
     def configure(self, state, rnd, cid):
-        return Message({**state["weights"], "grab.tail": state["tail"].clone()})
+        return Message({**state.weights, "grab.tail": state.tail.clone()})
 
     def eval_payload(self, state, cid):
-        return Message(dict(state["weights"]))
+        return Message(dict(state.weights))
 
     def aggregate(self, state, rnd, replies):
         state = super().aggregate(state, rnd, replies)
         if self.p.dpa == "norm" and rnd == self.p.dpa_round:
-            state["prior"], state["tail"] = self.prior_analyzer(state["weights"]["head.weight"])
+            state.prior, state.tail = self.prior_analyzer(state.weights["head.weight"])
         return state
 
     # ------------------------------------------------------------------ client: SGB

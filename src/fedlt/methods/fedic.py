@@ -74,6 +74,10 @@ class FedIC(FedAvg):
         batch_labeled: int = setting(20, "batch size on the labelled auxiliary data", low=1, high=2**31 - 1)
         batch_distill: int = setting(128, "batch size of the distillation", low=1, high=2**31 - 1)
 
+    @dataclass
+    class State(FedAvg.State):
+        highway: dict[str, torch.Tensor] | None = None  # the calibration highway (scale, bias, g, beta, v, b_v)
+
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         self._aux = None
@@ -86,16 +90,16 @@ class FedIC(FedAvg):
         return self._aux
 
     # ------------------------------------------------------------------ server
-    def init_server(self) -> dict:
+    def init_server(self) -> "FedIC.State":
         self.aux  # noqa: B018 -- fail early if the data settings are missing
         st = super().init_server()
         s, C, d = self.spec, self.spec.num_classes, self.net.feature_dim
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(derive_seed(s.seed, HIGHWAY_INIT))
             gate = torch.nn.Linear(d, 1).to(s.device)  # drawn on the seeded CPU generator on every device
-        st["highway"] = {"scale": torch.ones(C, 1, device=s.device), "bias": torch.zeros(1, device=s.device),
-                         "g": torch.ones(C, device=s.device), "beta": torch.zeros(C, device=s.device),
-                         "v": gate.weight.detach().clone(), "b_v": gate.bias.detach().clone()}
+        st.highway = {"scale": torch.ones(C, 1, device=s.device), "bias": torch.zeros(1, device=s.device),
+                      "g": torch.ones(C, device=s.device), "beta": torch.zeros(C, device=s.device),
+                      "v": gate.weight.detach().clone(), "b_v": gate.bias.detach().clone()}
         return st
 
     def _model(self, i: int, weights):
@@ -106,7 +110,7 @@ class FedIC(FedAvg):
 
     def aggregate(self, state, rnd, replies):
         p, aux = self.p, self.aux
-        keys = list(state["weights"])
+        keys = list(state.weights)
         avg = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
         clients = [self._model(2 + i, r.arrays).eval() for i, (_, r) in enumerate(replies)]
         gen = torch.Generator(device="cpu").manual_seed(derive_seed(self.spec.seed, BATCHES, rnd))
@@ -132,7 +136,7 @@ class FedIC(FedAvg):
                 opt.step()
             ref.eval()
             # 2. the calibrated ensemble
-            hw = {k: v.detach().clone().requires_grad_(True) for k, v in state["highway"].items()}
+            hw = {k: v.detach().clone().requires_grad_(True) for k, v in state.highway.items()}
             opt = torch.optim.Adam(hw.values(), lr=p.lr)
             for _ in range(p.steps):
                 x, y = batch(p.batch_labeled)
@@ -158,6 +162,6 @@ class FedIC(FedAvg):
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-        state["highway"] = hw
-        state["weights"] = weights_of(student)
+        state.highway = hw
+        state.weights = weights_of(student)
         return state

@@ -215,19 +215,23 @@ class FedLF(Method):
         distance_weight: float = setting(0.01, "loss=distance: weight of the CE on the negative distances to the "
                                                "class centres (official fedlf.py, hard-coded 0.01)", low=0)
 
+    @dataclass
+    class State(Method.State):
+        centres: torch.Tensor | None = None  # [C, d] global class centres (None: in the warm-up, or loss=distance)
+
     # ------------------------------------------------------------------ server
     def configure(self, state, rnd, cid):
-        arrays = dict(state["weights"])
-        if "centres" in state:  # after the warm-up
-            arrays["fedlf.centres"] = state["centres"]
+        arrays = dict(state.weights)
+        if state.centres is not None:  # after the warm-up
+            arrays["fedlf.centres"] = state.centres
         return Message(arrays)
 
     def aggregate(self, state, rnd, replies):
-        keys = list(state["weights"])
-        state["weights"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
+        keys = list(state.weights)
+        state.weights = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
         if self.p.loss == "centres" and rnd > self.p.warmup_rounds:
-            state["centres"] = update_centres(state.get("centres"), [r.arrays["fedlf.centres"] for _, r in replies],
-                                              [r.arrays["fedlf.held"] for _, r in replies], self.p.centre_init)
+            state.centres = update_centres(state.centres, [r.arrays["fedlf.centres"] for _, r in replies],
+                                           [r.arrays["fedlf.held"] for _, r in replies], self.p.centre_init)
         return state
 
     # ------------------------------------------------------------------ client

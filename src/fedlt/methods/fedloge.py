@@ -153,6 +153,13 @@ class FedLoGe(Method):
                                        low=0, limit=10**4)
         preview: bool = setting(True, "per-round evaluations also report GA-FR / LA-FR of the current heads")
 
+    @dataclass
+    class State(Method.State):
+        fixed_report: dict | None = None  # the frozen classifier's spec and Table 6 quantities (saved with the run)
+        fixed: dict[str, torch.Tensor] | None = None  # send_fixed: the frozen classifier's entries, as shipped
+        has_fixed: list[int] | None = None  # send_fixed: the clients that have received it
+        generic: dict[str, torch.Tensor] | None = None  # the GA-FR head {"weight", "bias"} (None: before the phase)
+
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         p = self.p
@@ -201,30 +208,30 @@ class FedLoGe(Method):
         return cstate["fixed.weight"], cstate["fixed.bias"]
 
     # ------------------------------------------------------------------------------------------------- server
-    def init_server(self) -> dict:
+    def init_server(self) -> "FedLoGe.State":
         state = super().init_server()
         W, b = self.fixed_head()
         rep = etf_report(W)  # Table 6's quantities, saved with the run (final_state.safetensors) and printed
         kind, beta, opts = self.fixed_spec()
-        state["fixed_report"] = {"kind": kind, "beta": beta, **opts, "bias": self.p.fixed_bias, **rep}
+        state.fixed_report = {"kind": kind, "beta": beta, **opts, "bias": self.p.fixed_bias, **rep}
         print(f"fedloge: fixed classifier {kind} [{rep['C']}x{rep['d']}] sparsity "
               f"{rep['sparsity']:.3f}, norm {rep['norm_mean']:.4f} (var {rep['norm_var']:.2e}), pairwise angle "
               f"{rep['angle_mean_deg']:.3f} deg (var {rep['angle_var_deg2']:.2e}; ETF {rep['etf_angle_deg']:.3f})")
         if self.p.send_fixed:
-            state["fixed"] = {"fixed.weight": W, "fixed.bias": b}
-            state["has_fixed"] = []
+            state.fixed = {"fixed.weight": W, "fixed.bias": b}
+            state.has_fixed = []
         return state
 
-    def configure(self, state: dict, rnd: int, cid: int) -> Message:
-        arrays = dict(state["weights"])
-        if self.p.send_fixed and cid not in state["has_fixed"]:
-            arrays.update(state["fixed"])
+    def configure(self, state: "FedLoGe.State", rnd: int, cid: int) -> Message:
+        arrays = dict(state.weights)
+        if self.p.send_fixed and cid not in state.has_fixed:
+            arrays.update(state.fixed)
         return Message(arrays=arrays)
 
-    def aggregate(self, state: dict, rnd: int, replies) -> dict:
+    def aggregate(self, state: "FedLoGe.State", rnd: int, replies) -> "FedLoGe.State":
         state = super().aggregate(state, rnd, replies)  # theta and psi, weighted by num_examples
         if self.p.send_fixed:
-            state["has_fixed"] = sorted(set(state["has_fixed"]) | {cid for cid, _ in replies})
+            state.has_fixed = sorted(set(state.has_fixed) | {cid for cid, _ in replies})
         return state
 
     # ------------------------------------------------------------------------------------------------- client
@@ -272,11 +279,11 @@ class FedLoGe(Method):
         return Message(out.weights, {"num_examples": len(data), **out.stats}), new
 
     # ----------------------------------------------------------------------------------- stages 2 and 3
-    def phase_configure(self, phase: str, state: dict, cid: int) -> Message:
+    def phase_configure(self, phase: str, state: "FedLoGe.State", cid: int) -> Message:
         if phase == "ga-fr":  # server-only: nothing to send
             return Message()
         # LA-FR needs psi; fine-tuning also needs the backbone to compute features
-        w = state["weights"]
+        w = state.weights
         return Message(arrays=dict(w) if self.p.finetune_epochs > 0 else {k: w[k] for k in HEAD})
 
     def phase_client(self, phase: str, payload: Message, cstate: dict, data, gen):
@@ -310,33 +317,33 @@ class FedLoGe(Method):
             meter.add(loss)
         return w.detach(), b.detach(), meter.mean()
 
-    def phase_aggregate(self, phase: str, state: dict, replies) -> dict:
+    def phase_aggregate(self, phase: str, state: "FedLoGe.State", replies) -> "FedLoGe.State":
         if phase == "ga-fr":
-            w, b = self._generic(state["weights"]["head.weight"], state["weights"]["head.bias"])
-            state["generic"] = {"weight": w, "bias": b.clone()}
+            w, b = self._generic(state.weights["head.weight"], state.weights["head.bias"])
+            state.generic = {"weight": w, "bias": b.clone()}
         return state
 
     # ------------------------------------------------------------------------------------------- inference
     def _generic(self, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ga_fr(w, self.gafr_norm), (b if self.keep_bias else torch.zeros_like(b))
 
-    def global_model(self, state: dict) -> dict[str, Predictor]:
-        m = self.eval_model(state["weights"])
+    def global_model(self, state: "FedLoGe.State") -> dict[str, Predictor]:
+        m = self.eval_model(state.weights)
         W, b = self.fixed_head()
         psi_w, psi_b = m.head.weight.detach(), m.head.bias.detach()
         modes: dict[str, Predictor] = {}
-        if "generic" in state:  # after the GA-FR phase
-            modes["generic"] = Predictor(m.backbone, linear_head(state["generic"]["weight"], state["generic"]["bias"]),
+        if state.generic is not None:  # after the GA-FR phase
+            modes["generic"] = Predictor(m.backbone, linear_head(state.generic["weight"], state.generic["bias"]),
                                          shared_backbone=True)
         modes["universal"] = Predictor(m.backbone, linear_head(W, b), shared_backbone=True)
         modes["psi"] = Predictor(m.backbone, linear_head(psi_w, psi_b), shared_backbone=True)
-        if "generic" not in state and self.p.ga_fr and self.p.preview:
+        if state.generic is None and self.p.ga_fr and self.p.preview:
             modes["generic-preview"] = Predictor(m.backbone, linear_head(*self._generic(psi_w, psi_b)),
                                                  shared_backbone=True)
         return modes
 
-    def eval_payload(self, state: dict, cid: int) -> Message:
-        return Message(arrays=dict(state["weights"]))
+    def eval_payload(self, state: "FedLoGe.State", cid: int) -> Message:
+        return Message(arrays=dict(state.weights))
 
     def personal_model(self, payload: Message, cstate: dict, data) -> dict[str, Predictor]:
         net = personal_net(self)  # the client-side evaluation copy, loaded with the global weights received

@@ -92,13 +92,13 @@ class FedNH(FedAvg):
 
     # ------------------------------------------------------------------ server
     def aggregate(self, state, rnd, replies):
-        w = state["weights"]
+        w = state.weights
         keys = [k for k in w if k != "head.prototype"]
         weight = (lambda r: 1.0) if self.p.weighting == "uniform" else (lambda r: r.meta["num_examples"])
-        state["weights"] = {**w, **weighted_average([(r.arrays, weight(r)) for _, r in replies], keys)}
+        state.weights = {**w, **weighted_average([(r.arrays, weight(r)) for _, r in replies], keys)}
         scaled = sum(r.arrays["nh.proto"] for _, r in replies)
         counts = sum(r.arrays["nh.count"] for _, r in replies)
-        state["weights"]["head.prototype"] = smooth_prototypes(w["head.prototype"], scaled, counts, self.p.rho)
+        state.weights["head.prototype"] = smooth_prototypes(w["head.prototype"], scaled, counts, self.p.rho)
         return state
 
     # ------------------------------------------------------------------ client
@@ -117,5 +117,5 @@ class FedNH(FedAvg):
         return {"local": personal_predictor(self, payload.arrays, cstate.get("local", {}))}
 
     def global_model(self, state):
-        m = self.eval_model(state["weights"])
+        m = self.eval_model(state.weights)
         return Predictor(m.backbone, m.head, shared_backbone=True)

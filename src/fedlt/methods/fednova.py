@@ -51,16 +51,16 @@ class FedNova(ParamKeys, FedAvg):
         a_norm = effective_steps(stats["steps"], rho)
         return Message(weights_of(net), {"num_examples": len(data), "a_norm": a_norm, **stats}), cstate
 
-    def aggregate(self, state, rnd, replies):
-        x = state["weights"]
+    def aggregate(self, state: "FedNova.State", rnd, replies):
+        x = state.weights
         live = [(r, r.meta["a_norm"]) for _, r in replies if r.meta["a_norm"] > 0]  # no step: nothing moved
         avg = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies])
         if not live:
-            state["weights"] = server_step(x, avg, {}, 1.0)
+            state.weights = server_step(x, avg, {}, 1.0)
             return state
         total = float(sum(r.meta["num_examples"] for r, _ in live))
         p = [r.meta["num_examples"] / total for r, _ in live]
         tau_eff = sum(pi * a for pi, (_, a) in zip(p, live))
         direction = {k: sum(pi * (x[k] - r.arrays[k]) / a for pi, (r, a) in zip(p, live)) for k in self.param_keys}
-        state["weights"] = server_step(x, avg, direction, tau_eff)
+        state.weights = server_step(x, avg, direction, tau_eff)
         return state

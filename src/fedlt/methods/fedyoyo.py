@@ -133,33 +133,39 @@ class FedYoYo(FedAvg):
         momentum: float | None = setting(None, "local SGD momentum", low=0, high=1, high_open=True, old_none="< 0",
                                          none_means="none (the official optimiser)")
 
-    # ------------------------------------------------------------------ server
-    def init_server(self) -> dict:
-        st = super().init_server()
-        C, dev = self.spec.num_classes, self.spec.device
-        return {**st, "prior": torch.full((C,), 1.0 / C, device=dev), "eff": torch.ones(C, device=dev),
-                "estimates": 0}
+    @dataclass
+    class State(FedAvg.State):
+        prior: torch.Tensor | None = None  # pi [C], the class prior sent to the clients (uniform at first)
+        eff: torch.Tensor | None = None  # E [C], the (smoothed) dispersion estimate pi is formed from
+        estimates: int = 0  # how many estimates E has been formed from so far
 
-    def configure(self, state, rnd, cid):
-        return Message({**state["weights"], "yoyo.prior": state["prior"].clone()},
+    # ------------------------------------------------------------------ server
+    def init_server(self) -> "FedYoYo.State":
+        state = super().init_server()
+        C, dev = self.spec.num_classes, self.spec.device
+        state.prior, state.eff, state.estimates = torch.full((C,), 1.0 / C, device=dev), torch.ones(C, device=dev), 0
+        return state
+
+    def configure(self, state: "FedYoYo.State", rnd, cid):
+        return Message({**state.weights, "yoyo.prior": state.prior.clone()},
                        {"round": rnd})
 
-    def eval_payload(self, state, cid):
-        return Message(dict(state["weights"]))
+    def eval_payload(self, state: "FedYoYo.State", cid):
+        return Message(dict(state.weights))
 
-    def aggregate(self, state, rnd, replies):
-        keys = list(state["weights"])
-        state["weights"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
+    def aggregate(self, state: "FedYoYo.State", rnd, replies):
+        keys = list(state.weights)
+        state.weights = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
         cur = 1 + sum(r.arrays["yoyo.eff"] for _, r in replies)
-        if state["estimates"] >= 2:
-            prev = state["eff"]
+        if state.estimates >= 2:
+            prev = state.eff
             cur = 0.9 * prev + 0.1 * cur
             cur = torch.where((cur - prev).abs() / (prev + 1e-8) > 100, prev, cur)
         else:
             bad = cur > 1e4
             cur = torch.where(bad, cur[~bad].mean() if bool((~bad).any()) else cur, cur)
-        state["eff"], state["estimates"] = cur, state["estimates"] + 1
-        state["prior"] = cur / cur.sum()
+        state.eff, state.estimates = cur, state.estimates + 1
+        state.prior = cur / cur.sum()
         return state
 
     # ------------------------------------------------------------------ client

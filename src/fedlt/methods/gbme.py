@@ -155,6 +155,11 @@ class GBME(Method):
                                               "its configuration's num_experts)", low=0, low_open=True,
                                               none_means="E, the model's expert count")
 
+    @dataclass
+    class State(Method.State):
+        proxy: torch.Tensor | None = None  # [K, C] each client's estimated class counts (rows of unknown clients: 0)
+        known: torch.Tensor | None = None  # [K] bool: the clients whose counts were estimated
+
     # ------------------------------------------------------------------ model
     def new_model(self):
         m = super().new_model()
@@ -167,8 +172,10 @@ class GBME(Method):
     # ------------------------------------------------------------------ server
     def init_server(self):
         K, C = self.spec.num_clients, self.spec.num_classes
-        return {**super().init_server(), "proxy": torch.zeros(K, C, device=self.spec.device),
-                "known": torch.zeros(K, dtype=torch.bool, device=self.spec.device)}
+        state = super().init_server()
+        state.proxy = torch.zeros(K, C, device=self.spec.device)
+        state.known = torch.zeros(K, dtype=torch.bool, device=self.spec.device)
+        return state
 
     def expert_round(self, rnd: int) -> bool:
         return rnd > self.p.expert_start * self.spec.rounds
@@ -177,23 +184,23 @@ class GBME(Method):
         E = self.p.experts
         prior = torch.zeros(self.spec.num_classes, device=self.spec.device)
         mask = torch.ones(E, device=self.spec.device)
-        if not bool(state["known"][cid]):
+        if not bool(state.known[cid]):
             mode = ESTIMATE
         else:
-            prior = log_prior(global_prior(state["proxy"], state["known"]), device=self.spec.device)
+            prior = log_prior(global_prior(state.proxy, state.known), device=self.spec.device)
             mode = JOINT
             if self.expert_round(rnd):
                 mode = EXPERT
                 rng = np.random.default_rng(derive_seed(self.spec.seed, ROUTE, rnd, cid))
-                own = expert_groups(state["proxy"], state["known"], E)[cid]
+                own = expert_groups(state.proxy, state.known, E)[cid]
                 e = own if rng.random() < self.p.beta else int(rng.integers(E))
                 mask = torch.zeros(E, device=self.spec.device)
                 mask[e] = 1.0
-        arrays = {**state["weights"], "gbme.log_prior": prior, "gbme.mask": mask}
+        arrays = {**state.weights, "gbme.log_prior": prior, "gbme.mask": mask}
         return Message(arrays, {"mode": mode})
 
     def aggregate(self, state, rnd, replies):
-        old = state["weights"]
+        old = state.weights
         keys = [k for k in old if k != "head.weight"]
         new = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
         W = old["head.weight"].clone()
@@ -203,10 +210,10 @@ class GBME(Method):
                 W[e] = weighted_average([({"w": a["head.weight"][e]}, n) for a, n in items])["w"]
         for cid, r in replies:
             if r.meta["mode"] == ESTIMATE:
-                state["proxy"][cid] = estimated_counts(r.arrays["head.weight"] - old["head.weight"],
-                                                       r.meta["num_examples"])
-                state["known"][cid] = True
-        state["weights"] = {**old, **new, "head.weight": W}
+                state.proxy[cid] = estimated_counts(r.arrays["head.weight"] - old["head.weight"],
+                                                    r.meta["num_examples"])
+                state.known[cid] = True
+        state.weights = {**old, **new, "head.weight": W}
         return state
 
     # ------------------------------------------------------------------ client

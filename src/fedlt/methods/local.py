@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..core import Message, Method, load_weights, train_local, weights_of
 from ..core.personal import initial_weights, personal_predictor
 from ..registry import METHODS
@@ -27,8 +29,12 @@ class Local(Method):
     class Params:
         pass
 
-    def init_server(self):
-        return {}
+    @dataclass
+    class State(Method.State):
+        weights: dict[str, torch.Tensor] | None = None  # None: no server model (every model stays on its client)
+
+    def init_server(self) -> "Local.State":
+        return self.State()
 
     def configure(self, state, rnd, cid):
         return Message()

@@ -88,6 +88,11 @@ class RatioLoss(Method):
         ratio_cap: float = setting(5000.0, "R_c is capped at this (step 3)", low=0, low_open=True)
         uniform_average: bool = setting(False, "official code: unweighted mean of the client models")
 
+    @dataclass
+    class State(Method.State):
+        alpha: torch.Tensor | None = None  # the class weights sent to the clients (C)
+        ratio: torch.Tensor | None = None  # the last round's per-class ratios R_c (None before the first round)
+
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         self._aux = None
@@ -103,12 +108,13 @@ class RatioLoss(Method):
         return self._aux
 
     # ------------------------------------------------------------------ server
-    def init_server(self) -> dict:
+    def init_server(self) -> "RatioLoss.State":
         self.aux_by_class()  # fail early if the data settings are missing
-        return {"weights": weights_of(self.new_model()), "alpha": torch.ones(self.spec.num_classes, device=self.spec.device)}
+        return self.State(weights=weights_of(self.new_model()),
+                          alpha=torch.ones(self.spec.num_classes, device=self.spec.device))
 
     def configure(self, state, rnd, cid):
-        return Message({**state["weights"], "ratio.alpha": state["alpha"].clone()})
+        return Message({**state.weights, "ratio.alpha": state.alpha.clone()})
 
     def monitors(self, weights, rnd) -> torch.Tensor:
         """Last-layer weights of one copy of ``weights`` trained on each class's auxiliary data."""
@@ -125,13 +131,13 @@ class RatioLoss(Method):
         return torch.stack(out)
 
     def aggregate(self, state, rnd, replies):
-        keys = list(state["weights"])
-        w_last = state["weights"]["head.weight"]
-        mons = self.monitors(state["weights"], rnd)
-        state["alpha"], state["ratio"] = ratio_weights(w_last, mons, self.p.outlier_threshold, self.p.ratio_cap,
-                                                       self.p.alpha0, self.p.beta)
+        keys = list(state.weights)
+        w_last = state.weights["head.weight"]
+        mons = self.monitors(state.weights, rnd)
+        state.alpha, state.ratio = ratio_weights(w_last, mons, self.p.outlier_threshold, self.p.ratio_cap,
+                                                 self.p.alpha0, self.p.beta)
         weight = (lambda r: 1.0) if self.p.uniform_average else (lambda r: r.meta["num_examples"])
-        state["weights"] = weighted_average([(r.arrays, weight(r)) for _, r in replies], keys)
+        state.weights = weighted_average([(r.arrays, weight(r)) for _, r in replies], keys)
         return state
 
     # ------------------------------------------------------------------ client

@@ -47,7 +47,7 @@ Defaults: lambda = 0.1 and T = 8 (paper Sec. 4.1 for MNIST-LT and CIFAR-10-LT; T
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,11 @@ class RedGrape(Method):
         clip_grad_norm: float | None = setting(None, "gradient-norm clipping (the official code clips to 1.0)", low=0,
                                                low_open=True, none_means="off", old_none="== 0")
 
+    @dataclass
+    class State(Method.State):
+        # the latest averaged prototype (class-gradient pair) of every class any client has sent (Eq. 15)
+        protos: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         self._sup: nn.Linear | None = None
@@ -97,13 +102,13 @@ class RedGrape(Method):
         return self._sup
 
     # ------------------------------------------------------------------ server
-    def init_server(self) -> dict:
+    def init_server(self) -> "RedGrape.State":
         sup = {f"sup.{k}": v for k, v in weights_of(self.new_sup()).items()}
-        return {"weights": {**weights_of(self.new_model()), **sup}, "protos": {}}
+        return self.State(weights={**weights_of(self.new_model()), **sup})
 
     def configure(self, state, rnd, cid):
-        arrays = dict(state["weights"])
-        G = state["protos"]
+        arrays = dict(state.weights)
+        G = state.protos
         if G:
             cls = sorted(G)
             arrays.update(pack_class_grads("gproto", cls, torch.stack([G[c][0] for c in cls]),
@@ -111,9 +116,9 @@ class RedGrape(Method):
         return Message(arrays)
 
     def aggregate(self, state, rnd, replies):
-        keys = list(state["weights"])
-        state["weights"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
-        state["protos"].update(mean_class_grads([r for _, r in replies], "proto"))  # Eq. 15: others stay stale
+        keys = list(state.weights)
+        state.weights = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
+        state.protos.update(mean_class_grads([r for _, r in replies], "proto"))  # Eq. 15: others stay stale
         return state
 
     # ------------------------------------------------------------------ client

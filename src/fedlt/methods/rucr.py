@@ -100,6 +100,13 @@ class RUCR(FedAvg):
         left: float = setting(0.35, "lam ~ U(left, right) (official uniform_left / uniform_right)", low=0, high=1)
         right: float = setting(0.95, "the upper end of that uniform, >= left", low=0, high=1)
 
+    @dataclass
+    class State(FedAvg.State):
+        rucr: dict[str, torch.Tensor] | None = None  # last round's global protos / known / ratio (None: no round yet)
+        norm_means: torch.Tensor | None = None  # rucr-stats phase: normalised global class means
+        norm_known: torch.Tensor | None = None  # rucr-stats phase: classes some client holds
+        retrained: dict[str, torch.Tensor] | None = None  # rucr-crt phase: the averaged re-trained head
+
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         if self.p.left > self.p.right:
@@ -107,19 +114,19 @@ class RUCR(FedAvg):
 
     # ------------------------------------------------------------------ training
     def configure(self, state, rnd, cid):
-        extra = {f"rucr.{k}": v.clone() for k, v in state["rucr"].items()} if "rucr" in state else {}
-        return Message({**state["weights"], **extra})
+        extra = {f"rucr.{k}": v.clone() for k, v in state.rucr.items()} if state.rucr is not None else {}
+        return Message({**state.weights, **extra})
 
     def eval_payload(self, state, cid):
-        return Message(dict(state["weights"]))
+        return Message(dict(state.weights))
 
     def aggregate(self, state, rnd, replies):
-        keys = list(state["weights"])
-        state["weights"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
+        keys = list(state.weights)
+        state.weights = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies], keys)
         counts = sum(r.arrays["rucr.count"] for _, r in replies)
         sums = sum(r.arrays["rucr.mean"] * r.arrays["rucr.count"][:, None] for _, r in replies)
-        state["rucr"] = {"protos": sums / counts.clamp_min(1)[:, None], "known": counts > 0,
-                         "ratio": counts / counts.sum()}
+        state.rucr = {"protos": sums / counts.clamp_min(1)[:, None], "known": counts > 0,
+                      "ratio": counts / counts.sum()}
         return state
 
     def local_train(self, payload, cstate, data, gen):
@@ -143,9 +150,9 @@ class RUCR(FedAvg):
 
     # ------------------------------------------------------------------ classifier re-training
     def phase_configure(self, phase, state, cid):
-        w = dict(state["weights"])
+        w = dict(state.weights)
         if phase == "rucr-crt":
-            w.update({"rucr.norm_means": state["norm_means"].clone(), "rucr.known": state["norm_known"].clone()})
+            w.update({"rucr.norm_means": state.norm_means.clone(), "rucr.known": state.norm_known.clone()})
         return Message(w)
 
     def phase_client(self, phase, payload, cstate, data, gen):
@@ -165,11 +172,11 @@ class RUCR(FedAvg):
         if phase == "rucr-stats":
             counts = sum(r.arrays["rucr.count"] for _, r in replies)
             sums = sum(r.arrays["rucr.mean"] * r.arrays["rucr.count"][:, None] for _, r in replies)
-            state["norm_means"], state["norm_known"] = sums / counts.clamp_min(1)[:, None], counts > 0
+            state.norm_means, state.norm_known = sums / counts.clamp_min(1)[:, None], counts > 0
         else:
-            state["retrained"] = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies])
+            state.retrained = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies])
         return state
 
     # ------------------------------------------------------------------ inference
     def global_model(self, state):
-        return retrained_head_modes(self.eval_model(state["weights"]), state.get("retrained"), "retrained")
+        return retrained_head_modes(self.eval_model(state.weights), state.retrained, "retrained")

@@ -58,31 +58,36 @@ class Scaffold(ParamKeys, FedAvg):
         weighting: str = setting("uniform", "aggregation of the y_i: uniform (paper) | samples (n_i weights)",
                                  choices=("uniform", "samples"))
 
+    @dataclass
+    class State(FedAvg.State):
+        c: dict[str, torch.Tensor] | None = None  # the server control variate (one tensor per trainable parameter)
+
     def _zeros(self, weights) -> dict[str, torch.Tensor]:
         return {k: torch.zeros_like(weights[k]) for k in self.param_keys}
 
     # ------------------------------------------------------------------ server
-    def init_server(self) -> dict:
-        st = super().init_server()
-        return {**st, "c": self._zeros(st["weights"])}
+    def init_server(self) -> "Scaffold.State":
+        state = super().init_server()
+        state.c = self._zeros(state.weights)
+        return state
 
-    def configure(self, state, rnd, cid):
-        return Message({**state["weights"], **{C_DOWN + k: v for k, v in state["c"].items()}})
+    def configure(self, state: "Scaffold.State", rnd, cid):
+        return Message({**state.weights, **{C_DOWN + k: v for k, v in state.c.items()}})
 
-    def eval_payload(self, state, cid):
-        return Message(dict(state["weights"]))
+    def eval_payload(self, state: "Scaffold.State", cid):
+        return Message(dict(state.weights))
 
-    def aggregate(self, state, rnd, replies):
+    def aggregate(self, state: "Scaffold.State", rnd, replies):
         uniform = self.p.weighting == "uniform"
         avg = weighted_average([({k: v for k, v in r.arrays.items() if not k.startswith(C_UP)},
                                  1.0 if uniform else r.meta["num_examples"]) for _, r in replies])
-        w = state["weights"]
+        w = state.weights
         g = pseudo_gradient(w, avg, self.param_keys)
-        state["weights"] = server_step(w, avg, g, self.p.server_lr)
+        state.weights = server_step(w, avg, g, self.p.server_lr)
         N = self.spec.num_clients
         for _, r in replies:
             for k in self.param_keys:
-                state["c"][k] = state["c"][k] + r.arrays[C_UP + k] / N
+                state.c[k] = state.c[k] + r.arrays[C_UP + k] / N
         return state
 
     # ------------------------------------------------------------------ client

@@ -80,6 +80,10 @@ class SphereFed(FedAvg):
         calibrate: bool = setting(True, "the paper's closed-form classifier calibration after training")
         ridge: float = setting(0.0, "lam of the calibration least squares", low=0)
 
+    @dataclass
+    class State(FedAvg.State):
+        calibrated_head: torch.Tensor | None = None  # [C, d] the calibration phase's classifier (None: none yet)
+
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         p = self.p
@@ -118,7 +122,7 @@ class SphereFed(FedAvg):
 
     # ------------------------------------------------------------------ server
     def configure(self, state, rnd, cid):
-        return Message({k: v for k, v in state["weights"].items() if k in self.bkeys})
+        return Message({k: v for k, v in state.weights.items() if k in self.bkeys})
 
     def phase_configure(self, phase, state, cid):
         return self.configure(state, -1, cid)
@@ -126,7 +130,7 @@ class SphereFed(FedAvg):
     def phase_aggregate(self, phase, state, replies):
         A = sum(r.arrays["hth"].double() for _, r in replies)
         B = sum(r.arrays["hty"].double() for _, r in replies)
-        state["calibrated_head"] = solve_calibration(A, B, self.p.ridge).float()
+        state.calibrated_head = solve_calibration(A, B, self.p.ridge).float()
         return state
 
     # ------------------------------------------------------------------ client
@@ -163,10 +167,10 @@ class SphereFed(FedAvg):
 
     # ------------------------------------------------------------------ inference
     def global_model(self, state):
-        m = self.eval_model(state["weights"])
+        m = self.eval_model(state.weights)
         modes = {}
-        if "calibrated_head" in state:
-            modes["calibrated"] = Predictor(m.backbone, SphereHead(state["calibrated_head"]), shared_backbone=True)
+        if state.calibrated_head is not None:
+            modes["calibrated"] = Predictor(m.backbone, SphereHead(state.calibrated_head), shared_backbone=True)
         modes["fixed"] = Predictor(m.backbone, SphereHead(self.W, self.p.scale), shared_backbone=True)
         return modes
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..core.state import tree_of
 from ..errors import Diverged
 
 
@@ -63,7 +64,7 @@ class DivergenceCheck:
         loss = rec.get("train_loss")
         if loss is not None and not math.isfinite(loss):
             return f"the training loss is {loss}"
-        bad = nonfinite_entry(sim.state)
+        bad = nonfinite_entry(tree_of(sim.state))
         if bad is not None:
             return f"the global state holds non-finite values ({bad})"
         if loss is not None:

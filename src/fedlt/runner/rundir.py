@@ -19,11 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import RunConfig, name_part, parse_milestones
+from ..config import RunConfig, name_part
 from ..core.method import Method, RunSpec
+from ..core.state import tree_of
 from ..data import Federation, build_federation
 from ..data.partition import partition_settings
 from ..data.split import default_lt_profile, partition_document
+from ..decl import settings_values
 from ..engine import EngineConfig, Simulation
 from ..errors import ConfigError, Diverged
 from ..jsonutil import dumps
@@ -44,13 +46,9 @@ class Prepared:
 
 
 def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
-    return RunSpec(model=cfg.model or fed.dataset.default_model, in_shape=fed.in_shape,
-                   num_classes=fed.num_classes, seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum,
-                   weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
-                   rounds=cfg.rounds, num_clients=cfg.clients, device=cfg.device, precision=cfg.precision,
-                   channels_last=cfg.channels_last, cache_dir=os.environ.get("FEDLT_CACHE"),
-                   lr_schedule=cfg.lr_schedule, lr_milestones=parse_milestones(cfg.lr_milestones),
-                   lr_gamma=cfg.lr_gamma, allow_large=cfg.allow_large,
+    """The method's RunSpec: every setting the spec reads (``decl.settings_values``), and what the data says."""
+    return RunSpec(model=cfg.model or fed.dataset.default_model, in_shape=fed.in_shape, num_classes=fed.num_classes,
+                   cache_dir=os.environ.get("FEDLT_CACHE"), **settings_values(cfg, "spec"),
                    data=dict(dataset=cfg.dataset, data_dir=cfg.data_dir, imbalance_ratio=cfg.imbalance_ratio,
                              lt_profile=lt_profile_of(cfg, fed), tail_classes=cfg.tail_classes, n_max=cfg.n_max,
                              seed=cfg.seed, dataset_kw=cfg.dataset_kw(), input_mean=list(fed.prep.mean),
@@ -254,7 +252,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
 
     def snapshot_heads(d):  # the server's classifiers at the end of training, before any post-training phase
         if d.round == cfg.rounds:
-            heads["server_before_phases"] = head_like(d.state, C)
+            heads["server_before_phases"] = head_like(tree_of(d.state), C)
 
     def checkpoint(d):
         if checkpoint_every > 0 and (d.round % checkpoint_every == 0 or d.round == cfg.rounds):
@@ -289,7 +287,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
         summary["resumed_after_round"] = ck["sim"]["round"]
     if check.first is not None:
         summary["diverged_continued"] = check.first  # --on-diverge continue: round and reason
-    save_final_state(out, driver.state, {"server": head_like(driver.state, C), **heads,
+    save_final_state(out, tree_of(driver.state), {"server": head_like(tree_of(driver.state), C), **heads,
                                          "clients": client_heads(driver.transport, fed, C)})
     write_json(out / "summary.json", summary)
     remove_checkpoints(out)
