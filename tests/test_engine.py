@@ -7,7 +7,7 @@ import torch
 
 from conftest import run_small
 from fedlt.core.aggregation import weighted_average
-from fedlt.engine.simulation import clients_per_round, sampling_schedule
+from fedlt.engine.driver import clients_per_round, sampling_schedule
 from fedlt.metrics import report, shot_split
 
 
@@ -33,7 +33,7 @@ def test_fedavg_aggregate_is_the_weighted_mean_of_replies():
     state = m.init_server()
     cids = sim.schedule[0]
     replies = []
-    from fedlt.engine.simulation import client_generator, TRAIN
+    from fedlt.engine.driver import client_generator, TRAIN
     for c in cids:
         r, _ = m.local_train(m.configure(state, 1, c), {}, sim.fed.clients[c], client_generator(0, TRAIN, 1, c))
         replies.append((c, r))

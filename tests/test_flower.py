@@ -16,10 +16,10 @@ from fedlt.core.method import Message  # noqa: E402
 from fedlt.errors import ConfigError  # noqa: E402
 from fedlt.runner.rundir import federation_for  # noqa: E402
 from fedlt.codec import pack, unpack  # noqa: E402
-from fedlt.flower.inprocess import InProcessGrid, run_inprocess, server_identity  # noqa: E402
-from fedlt.flower.records import CSTATE_ARRAYS, from_records, to_records  # noqa: E402
-from fedlt.flower.settings import flatten, from_run_config, to_run_config  # noqa: E402
-from fedlt.flower.strategy import FedltStrategy  # noqa: E402
+from fedlt.engine.flower.inprocess import InProcessGrid, run_inprocess, server_identity  # noqa: E402
+from fedlt.engine.flower.records import CSTATE_ARRAYS, from_records, to_records  # noqa: E402
+from fedlt.engine.flower.settings import flatten, from_run_config, to_run_config  # noqa: E402
+from fedlt.engine.flower.strategy import FedltStrategy  # noqa: E402
 from fedlt.registry import METHODS  # noqa: E402
 
 QUIET = dict(echo=lambda s: None)
@@ -92,7 +92,7 @@ def test_run_config_roundtrip_and_app_dir(tmp_path):
     from flwr.cli.config_utils import load_and_validate
     from flwr.common.config import flatten_dict
 
-    from fedlt.flower.deploy import write_app
+    from fedlt.engine.flower.deploy import write_app
 
     cfg = small_config(method="fedprox", params={"mu": 0.1}, out=str(tmp_path / "runs"), name="x")
     flat = flatten(to_run_config(cfg, round_timeout=30))
@@ -110,7 +110,7 @@ def test_run_config_roundtrip_and_app_dir(tmp_path):
 def test_process_command_lines():
     from flwr.common.config import parse_config_args
 
-    from fedlt.flower.deploy import superlink_argv, supernode_argv
+    from fedlt.engine.flower.deploy import superlink_argv, supernode_argv
 
     with pytest.raises(ConfigError, match="TLS"):
         superlink_argv()
@@ -227,7 +227,7 @@ def test_state_dir_survives_supernode_restart(tmp_path):
     st, grid = _restart_run(tmp_path, tmp_path / "state")
     assert st.nodes[0] >= 102  # the restarted SuperNode was found and described again
     ctx = grid.contexts[st.nodes[0]]
-    from fedlt.flower.records import load_client_state
+    from fedlt.engine.flower.records import load_client_state
 
     kept, _ = load_client_state(ctx.state, 0)
     assert torch.equal(kept["phi.weight"], sim.client_states[0]["phi.weight"])
@@ -328,7 +328,7 @@ def test_a_restarted_supernodes_copy_is_awaited_though_the_dead_nodes_copy_fails
     copy re-sent is still on its way; a node that never comes back is still recorded missing with its error."""
     from types import SimpleNamespace
 
-    import fedlt.flower.strategy as strategy
+    import fedlt.engine.flower.strategy as strategy
     from flwr.app import ConfigRecord, Message as FlwrMessage, RecordDict
 
     monkeypatch.setattr(strategy, "RESTART_LOOK", 0.0)
@@ -428,7 +428,7 @@ def test_a_resumed_deployment_rolls_every_client_back_to_the_checkpointed_round(
     import signal
 
     from fedlt.runner.preempt import Preempted
-    from fedlt.flower.records import load_client_state
+    from fedlt.engine.flower.records import load_client_state
 
     params = FAST.get(method, {})
     over = dict(clients=3, rounds=6, eval_every=3, participation=2, local_epochs=1)
@@ -466,3 +466,14 @@ def test_a_resumed_deployment_rolls_every_client_back_to_the_checkpointed_round(
         for k, v in want.items():
             if isinstance(v, torch.Tensor):
                 assert torch.allclose(got[k], v, atol=1e-6), (cid, k)
+
+
+def test_app_directories_written_before_the_engines_moved_still_find_their_apps():
+    """``fedlt flower app`` once wrote ``fedlt.flower.server_app:app`` / ``client_app:app`` into an app directory's
+    pyproject.toml: those names are the engine's apps (now in fedlt.engine.flower)."""
+    import importlib
+
+    for part in ("server_app", "client_app"):
+        old = importlib.import_module(f"fedlt.flower.{part}")
+        new = importlib.import_module(f"fedlt.engine.flower.{part}")
+        assert old.app is new.app

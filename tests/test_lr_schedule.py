@@ -91,7 +91,7 @@ def test_flower_clients_follow_the_schedule_like_the_simulation(tmp_path):
     from conftest import small_config
     from fedlt.engine import EngineConfig, Simulation
     from fedlt.runner.rundir import prepare
-    from fedlt.flower.inprocess import run_inprocess
+    from fedlt.engine.flower.inprocess import run_inprocess
 
     def sim_state(cfg, schedule=True):
         pr = prepare(cfg)

@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import run_small
 from fedlt.core import Message
-from fedlt.engine.simulation import TRAIN, client_generator
+from fedlt.engine.driver import TRAIN, client_generator
 from fedlt.errors import ConfigError
 from fedlt.models import bn_keys, build_model, head_keys
 from fedlt.registry import METHODS, MODELS

@@ -178,8 +178,8 @@ def test_malicious_flower_client_state_and_client_data_are_refused(tmp_path):
     from flwr.app import RecordDict
 
     from fedlt.core.method import RunSpec
-    from fedlt.flower.client_app import load_client_dir
-    from fedlt.flower.records import load_client_state, save_client_state, state_file
+    from fedlt.engine.flower.client_app import load_client_dir
+    from fedlt.engine.flower.records import load_client_state, save_client_state, state_file
 
     marker = tmp_path / "PWNED"
     state = {"w": torch.arange(6.0).view(2, 3), "n": 3, "t": (1, "a")}

@@ -3,7 +3,7 @@
 A fedlt ``Message.meta``, a client state (what ``init_client`` / ``local_train`` return) or a server state is
 a tree of dicts, lists and tuples whose leaves are numbers, strings, None, torch tensors or numpy arrays.
 :func:`pack` turns such a tree into a JSON string plus a flat ``{path: tensor}`` dict -- the tensors go into a
-Flower ``ArrayRecord`` and the JSON into a ``ConfigRecord`` (:mod:`fedlt.flower.records`), or both into one
+Flower ``ArrayRecord`` and the JSON into a ``ConfigRecord`` (:mod:`fedlt.engine.flower.records`), or both into one
 safetensors file (:mod:`fedlt.safefile`); :func:`unpack` rebuilds the very same tree:
 tensors bit for bit with their dtype, ints stay ints, tuples stay tuples, numpy arrays stay numpy arrays.
 

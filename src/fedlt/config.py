@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,8 +113,14 @@ class RunConfig:
     weight_decay: float = declared_in(RunSpec, "weight_decay")
     seed: int = declared_in(RunSpec, "seed", reads=("engine",))
     device: str = declared_in(RunSpec, "device")
-    threads: int | None = setting(None, "torch CPU threads", low=1, high=4096, group=TRAIN, result=False,
-                                  none_means="torch's default")
+    threads: int | None = setting(None, "torch CPU threads (with --workers: of each worker)", low=1, high=4096,
+                                  group=TRAIN, result=False, none_means="torch's default; 1 per worker",
+                                  reads=("engine",))
+    workers: str = setting("off", "train a round's clients in parallel worker processes, one torch thread each: "
+                                  "off, auto (the cores this process may use, on a CPU, when a round has at least "
+                                  "two clients) or N; results are those of --threads 1 without workers, bit for bit",
+                           choices=("off", "auto"), numbers=int, low=1, high=4096, unit="processes", group=TRAIN,
+                           result=False)
     precision: str = declared_in(RunSpec, "precision")
     channels_last: str = declared_in(RunSpec, "channels_last")
     client_parallel: str = setting("auto", "train a round's clients together (methods that describe their local "
@@ -449,6 +456,28 @@ def clients_per_round(num_clients: int, participation: float, what: str = "parti
     return n
 
 
+def available_cores() -> int:
+    """The CPU cores this process may use (its affinity where the system says, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def worker_count(cfg) -> int:
+    """The worker processes of a run (``--workers``; 0: none, the clients trained in this process). ``auto``: on a
+    CPU, with at least two cores and two clients a round, as many as both allow (divided by ``--threads``)."""
+    w = str(cfg.workers)
+    if w == "off":
+        return 0
+    if w != "auto":
+        return int(w)
+    per_round, cores = clients_per_round(cfg.clients, cfg.participation), available_cores() // (cfg.threads or 1)
+    if not str(cfg.device).startswith("cpu") or cores < 2 or per_round < 2:
+        return 0
+    return min(cores, per_round)
+
+
 def _decays(cfg) -> int:
     """How many times a step schedule decays the lr within the run (its milestones before the last round)."""
     return len([m for m in parse_milestones(cfg.lr_milestones) if m < cfg.rounds])
@@ -573,6 +602,24 @@ RELATIONS: list[Relation] = [
                            f"participation {c.participation:g} takes all {c.clients} already; drop it or lower "
                            f"--participation", others=("participation", "clients"),
                  bad=({"over_select": 2, "participation": 1.0},)),
+    # (participation is valid here too)
+    requires("workers", lambda c: worker_count(c) <= clients_per_round(c.clients, c.participation),
+             lambda c: f"--workers {c.workers} is more than the {clients_per_round(c.clients, c.participation)} "
+                       f"clients a round trains; give at most {clients_per_round(c.clients, c.participation)}, or "
+                       f"auto", others=("participation", "clients"), bad=({"workers": "50"},)),
+    requires("workers", lambda c: str(c.device).startswith("cpu"),
+             "--workers trains clients in CPU processes; on {device} the batched executor trains a round's clients "
+             "together (--client-parallel): drop --workers", when=lambda c: worker_count(c) > 0, others=("device",),
+             bad=({"workers": "2", "device": "cuda"},)),
+    requires("workers", lambda c: str(c.client_parallel) == "auto",
+             "--workers and --client-parallel {client_parallel} both decide how a round's clients train; drop one",
+             when=lambda c: worker_count(c) > 0, others=("client_parallel",),
+             bad=({"workers": "2", "client_parallel": "2"}, {"workers": "2", "client_parallel": "off"})),
+    requires("workers", lambda c: worker_count(c) * (c.threads or 1) <= available_cores(),
+             lambda c: f"--workers {worker_count(c)} x --threads {c.threads or 1} asks for "
+                       f"{worker_count(c) * (c.threads or 1)} threads, past the {available_cores()} cores this process "
+                       f"may use; lower --workers or --threads (or use --workers auto)",
+             when=lambda c: worker_count(c) > 0, others=("threads",), bad=({"workers": "2", "threads": 4096},)),
     requires("tracker", lambda c: "none" not in c.tracker or len(set(c.tracker)) == 1,
              lambda c: f"--tracker none means no tracker and cannot go with {words(sorted(set(c.tracker) - {'none'}), 'and')}"
                        f"; drop none or the others", bad=({"tracker": "none,tensorboard"},)),

@@ -389,6 +389,32 @@ def check_clients(parts, clients: int, partition: str | None = None) -> None:
                           + "".join(f", or {a}" for a in advice))
 
 
+class ClientViews:
+    """Client ``k``'s :class:`ClientData` from the federation's store: its rows (``parts[k]``) and test rows
+    (``tests[k]``: of its own samples where ``own``, else of the test set). ``device`` set: the store is the
+    long-tailed subset on that device, and rows are positions in it; None: rows of the dataset's own tensors. A
+    plain object (not a closure), so a federation can be pickled: the worker processes that start by ``spawn``
+    (``fedlt.engine.workers``) receive it once."""
+
+    def __init__(self, parts, tests, own: bool, src, test, num_classes: int, prep, keep, device):
+        self.parts, self.tests, self.own, self.src, self.test = parts, tests, own, src, test
+        self.num_classes, self.prep, self.keep, self.device = num_classes, prep, keep, device
+
+    def rows_of(self, p) -> torch.Tensor:
+        if self.device is not None:  # positions in the subset
+            return torch.from_numpy(p).to(self.device)
+        return torch.from_numpy(self.keep[p])  # rows of the dataset
+
+    def __call__(self, k: int) -> ClientData:
+        p, t = self.parts[k], self.tests[k]
+        if self.own:  # test samples from the client's own data, in the training store
+            return ClientData(k, *self.src, self.num_classes, self.prep, *self.src, self.keep[t],
+                              rows=self.rows_of(p), test_rows=self.rows_of(t), train_index=self.keep[p],
+                              tests_on_test_set=False)
+        return ClientData(k, *self.src, self.num_classes, self.prep, *self.test, t, rows=self.rows_of(p),
+                          test_rows=torch.from_numpy(t).to(self.test[0].device), train_index=self.keep[p])
+
+
 def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None, imbalance_ratio: float = 100.0,
                      lt_profile: str | None = "exp", tail_classes: int = 3, n_max: int | None = None,
                      partition_name: str = "dirichlet", clients: int = 20, seed: int = 0, device: str = "cpu",
@@ -427,10 +453,8 @@ def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None
         norm = prep if _normalise_once(ds, len(keep) + len(test_y), device, placement_mode) else None
         src = (rows_to(ds.x_train, k, device, prep=norm), rows_to(ds.y_train, k, device))
         test = (rows_to(ds.x_test, None, device, prep=norm), rows_to(ds.y_test, None, device))
-        rows_of = lambda p: torch.from_numpy(p).to(device)  # noqa: E731  (positions in the subset)
     else:  # host: the dataset's own tensors (possibly memory-mapped), never copied per client
         src, test = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)
-        rows_of = lambda p: torch.from_numpy(keep[p])  # noqa: E731  (rows of the dataset)
     if own_tests is None:  # each client's share of the balanced test set (or a natural partition's own tests)
         pools = class_pools(test_y, ds.num_classes) if sp.test_index is None else None
         n_total = int(counts.sum())
@@ -438,21 +462,14 @@ def build_federation(dataset: str = "fashion-mnist", data_dir: str | None = None
                                             for k in range(len(parts))])
     else:
         tests = own_tests
-    ragged, own = (parts, tests), own_tests is not None
+    view = ClientViews(parts, tests, own_tests is not None, src, test, ds.num_classes, prep, keep,
+                       device if where == "device" else None)
     del parts, tests, own_tests, sp
 
-    def view(k: int) -> ClientData:
-        p, t = ragged[0][k], ragged[1][k]
-        if own:  # test samples from the client's own data, in the training store
-            return ClientData(k, *src, ds.num_classes, prep, *src, keep[t], rows=rows_of(p), test_rows=rows_of(t),
-                              train_index=keep[p], tests_on_test_set=False)
-        return ClientData(k, *src, ds.num_classes, prep, *test, t, rows=rows_of(p),
-                          test_rows=torch.from_numpy(t).to(test[0].device), train_index=keep[p])
-
-    clients_data = Clients(view, len(ragged[0]))
+    clients_data = Clients(view, len(view.parts))
     settings = dict(dataset=dataset, imbalance_ratio=imbalance_ratio, lt_profile=lt_profile,
                     partition=partition_name, clients=clients, seed=seed, partition_file=partition_file,
                     **(partition_kw or {}), **({"client_test_fraction": client_test_fraction}
                                                if client_test_fraction else {}))
     return Federation(ds, clients_data, counts.sum(0), counts, prep, settings,
-                      *test, where=where, layout=(keep, *ragged))
+                      *test, where=where, layout=(keep, view.parts, view.tests))

@@ -1,4 +1,5 @@
-"""Batched local training: a round's clients trained together, one vectorised step for all of them.
+"""The batched engine: a round's clients trained together, one vectorised step for all of them (the transport
+:class:`Batched`, a sibling of ``engine.inprocess`` and ``engine.workers``, at the end of this module).
 
 For methods that describe their local training (``Method.local_steps``, see ``fedlt.core.steps``), the clients
 of a chunk are trained as one program: their trained tensors (model parameters, trained extras), BatchNorm
@@ -44,11 +45,14 @@ from typing import Callable
 import torch
 from torch.func import grad_and_value, vmap
 
-from ..core.method import Method
+from ..core.method import Message, Method
 from ..core.steps import LocalSteps, StepModel, Trained, by_setting, frozen_net, groups_of, split_loss, stats_of
 from ..core.training import autocast
 from ..data.transforms import to_device
+from .clientstate import ClientStates
+from .driver import TRAIN, TRAINING, client_generator
 from .graphs import StepGraphs
+from .inprocess import InProcess
 
 
 @dataclass
@@ -499,3 +503,54 @@ class StaticRunner(_Runner):
         if self.part_names:  # a replay runs no Python: the names are kept from the steps that ran it
             self.bound.parts = list(self.part_names)
         return self.bound.parts
+
+
+# ------------------------------------------------------------------------------------------- the transport
+class Batched(InProcess):
+    """In process, a round's clients trained together (``engine.batched``) where the method describes its
+    local steps (:func:`client_parallel_chunk`); the same payloads, generators and replies as
+    :class:`InProcess`, which it falls back to otherwise."""
+
+    def __init__(self, method: Method, fed, seed: int, setting: str = "auto", graphs: StepGraphs | None = None,
+                 states: ClientStates | None = None):
+        super().__init__(method, fed, seed, states)
+        self.setting, self.graphs = setting, graphs
+        self.fitted: int | None = None  # auto: the chunk size that fitted on the GPU
+
+    def parallel_chunk(self) -> int | None:
+        """How many clients train together: 0 one after another; None all of a round's that fit."""
+        return client_parallel_chunk(self.setting, self.method)
+
+    def send_and_receive(self, kind: str, index: int, payloads: dict[int, Message]):
+        chunk = self.parallel_chunk() if kind == TRAINING else 0
+        if chunk == 0:
+            return super().send_and_receive(kind, index, payloads)
+        self._tag(kind, index)
+        m, seed, cids, data = self.method, self.seed, list(payloads), self.fed.clients
+        states = {c: self.client_state(c) for c in cids}
+        jobs = [Job(m.local_steps(payloads[c], states[c], data[c]), data[c],
+                    lambda c=c: client_generator(seed, TRAIN, index, c), payloads[c].lr) for c in cids]
+        trained, fitted = train_batched(m, jobs, chunk, self.fitted, self.graphs)
+        if chunk is None:
+            self.fitted = fitted
+        replies = []
+        for c, out in zip(cids, trained):
+            reply, cstate = m.local_reply(payloads[c], states[c], data[c], out)
+            self.keep(c, cstate)
+            replies.append((c, reply))
+        return replies, {}
+
+
+def client_parallel_chunk(setting, method: Method) -> int | None:
+    """``--client-parallel``: "off" (0: one client after another), "auto" (all of a round's clients together,
+    chunks halved if the GPU runs out of memory, on CUDA; one after another on a CPU, where vectorising gains
+    nothing) or N (chunks of N clients, on any device). Methods with a loop of their own, and fp16 (its gradient
+    scaler), always train one client after another."""
+    if not method.describes_steps() or method.spec.precision == "fp16":
+        return 0
+    setting = str(setting)
+    if setting == "off":
+        return 0
+    if setting == "auto":
+        return None if torch.device(method.spec.device).type == "cuda" else 0
+    return int(setting)

@@ -7,13 +7,15 @@ evaluation, the clients missing from a round, and the state a checkpoint holds (
 The run directory around it (config, partition, metrics, checkpoints, resume, summary) is
 :func:`fedlt.runner.rundir.run_recorded`, also once for every engine.
 
-How a round's payloads reach the clients and their replies come back is a :class:`Transport`:
+How a round's payloads reach the clients and their replies come back is a :class:`Transport`, one engine each,
+siblings in this package:
 
-- :class:`fedlt.engine.simulation.InProcess`: the clients in this process, one after another;
-- :class:`fedlt.engine.simulation.Batched`: the same, with the clients of a round trained together by the
-  batched executor (``engine.batched``) where the method describes its local steps;
-- :class:`fedlt.flower.strategy.GridTransport`: Flower messages over a ``Grid`` (in-process, a simulation's or
-  the SuperLink's), with clients that may fail or stay silent.
+- :class:`fedlt.engine.inprocess.InProcess`: the clients in this process, one after another;
+- :class:`fedlt.engine.batched.Batched`: the same, with the clients of a round trained together by the
+  batched executor where the method describes its local steps;
+- :class:`fedlt.engine.workers.Workers`: the clients of a round in worker processes (``--workers``);
+- :class:`fedlt.engine.flower.strategy.GridTransport`: Flower messages over a ``Grid`` (in-process, a simulation's
+  or the SuperLink's), with clients that may fail or stay silent.
 
 Every random choice derives from the run seed: the sampling stream is drawn up front from its own generator,
 and each (round, client) training call gets its own torch generator, so a run is the same whatever order the
@@ -30,7 +32,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from ..config import RunConfig, clients_per_round, lr_at
+from ..config import RunConfig, clients_per_round, lr_at, worker_count
 from ..core.method import Message, Method, derive_seed
 from ..core.state import snapshot, tree_of, typed
 from ..decl import reads_settings, settings_values
@@ -114,12 +116,13 @@ class EngineConfig:
     progress: bool = True
     lr_of_round: Callable[[int], float] | None = None  # each round's local lr (config.lr_at); None: spec.lr, constant
     faults: Faults | None = None  # clients away, dropping out, straggling (engine.faults); None: every one answers
+    worker_processes: int = 0  # --workers, resolved (config.worker_count): 0 trains the clients in this process
 
     @classmethod
     def of(cls, cfg, progress: bool = True) -> "EngineConfig":
         """The engine's part of a run configuration (``fedlt.config.RunConfig``)."""
         return cls(**settings_values(cfg, "engine"), progress=progress, lr_of_round=partial(lr_at, cfg),
-                   faults=faults if (faults := Faults.of(cfg)).active else None)
+                   faults=faults if (faults := Faults.of(cfg)).active else None, worker_processes=worker_count(cfg))
 
 
 Replies = list[tuple[int, Message]]  # (client id, reply), in client-id order
@@ -184,6 +187,12 @@ class Driver:
         self.round_end: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         # called with each round's record after training and before its evaluation (a divergence check)
         self.after_train: list[Callable[["Driver", dict], None]] = []
+
+    def close(self) -> None:
+        """The run is over (finished or stopped): the transport lets go of what it holds (worker processes)."""
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
 
     # ---------------------------------------------------------------- checkpoint / resume
     def state_dict(self) -> dict:

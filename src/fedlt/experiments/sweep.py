@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import RunConfig, load_config, name_part, read_toml
+from ..config import RunConfig, available_cores, load_config, name_part, read_toml, worker_count
 from ..decl import show
 from ..errors import ConfigError, Diverged
 from ..runner.preempt import DEFAULT_CHECKPOINT_EVERY, Preempted, installed
@@ -267,6 +267,8 @@ def run_plan(runs: list[PlannedRun], checkpoint_every: int = DEFAULT_CHECKPOINT_
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     if backend is not None:
         backend.check(jobs)  # before anything is written
+    else:
+        check_cores(runs, jobs, threads)
     write_manifest(runs)
     counts = {"skipped": 0, "resumed": 0, "started": 0, "elsewhere": 0, "diverged": 0}
     todo = []
@@ -325,7 +327,7 @@ def _execute(r: PlannedRun, checkpoint_every: int, threads: int | None, progress
         if status == "done":
             check_finished(r)
             return {"kind": "elsewhere", "line": "finished by another process", "diverged": False}
-        cfg = r.cfg if threads is None else RunConfig(**{**r.cfg.to_dict(), "threads": threads})
+        cfg = r.cfg if threads is None else RunConfig(**{**r.cfg.to_dict(), **share_of_cores(r.cfg, threads)})
         if _FED.get("key") != federation_key(cfg):
             _FED.clear()
             _FED.update(key=federation_key(cfg), fed=federation_for(cfg))
@@ -396,8 +398,34 @@ def threads_per_worker(jobs: int, threads: int | None) -> int:
     """--threads if given, else this process's CPU cores split between the workers (at least 1 each)."""
     if threads:
         return threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // jobs)
+    return max(1, available_cores() // jobs)
+
+
+def share_of_cores(cfg: RunConfig, threads: int) -> dict:
+    """The settings that give a sweep's run ``threads`` cores: its torch threads, or with --workers its worker
+    processes' (one thread each; auto: as many workers as those cores, none below two)."""
+    w = str(cfg.workers)
+    if w == "off":
+        return {"threads": threads}
+    if w == "auto":
+        return {"workers": str(threads) if threads >= 2 else "off", "threads": 1}
+    return {"threads": cfg.threads or 1}
+
+
+def check_cores(runs: list[PlannedRun], jobs: int, threads: int | None) -> None:
+    """--jobs J with runs that train their clients in N worker processes (--workers) of T threads: J x N x T
+    must fit the cores this process may use, or the machine is oversubscribed (one line, before anything is
+    written). ``auto`` shares the cores out: each run's workers are the cores / J."""
+    cores = available_cores()
+    for r in runs:
+        if str(r.cfg.workers) == "off" or jobs < 2:
+            continue
+        t = threads or r.cfg.threads or 1
+        n = max(1, cores // (jobs * t)) if str(r.cfg.workers) == "auto" else worker_count(r.cfg)
+        if jobs * n * t > cores:
+            raise ConfigError(f"--jobs {jobs} x --workers {n} x {t} thread{'s' * (t != 1)} asks for {jobs * n * t} "
+                              f"threads, past the {cores} cores this process may use; lower --jobs or --workers (jobs "
+                              f"x workers <= cores), or use --workers auto")
 
 
 def _runs_bar(n: int, todo: list, progress: bool, echo):

@@ -1,22 +1,3 @@
-"""fedlt on Flower: the same methods on a SuperLink and SuperNodes (``pip install 'fedlt[flower]'``).
-
-- :mod:`fedlt.flower.client_app` -- ``app``, the one generic ClientApp (runs any method's client hooks)
-- :mod:`fedlt.flower.server_app` -- ``app``, the one generic ServerApp (reads the run settings, runs the strategy)
-- :mod:`fedlt.flower.strategy` -- ``FedltStrategy``, any method's server hooks as a Flower strategy
-- :mod:`fedlt.flower.inprocess` -- the same apps in one process (no SuperLink, no Ray, no network)
-- :mod:`fedlt.flower.deploy` -- ``fedlt flower superlink|supernode|app|run``: processes and app directories
-
-Nothing here names a method: everything a method exchanges is a fedlt ``Message``, carried as Flower records
-(:mod:`fedlt.flower.records`), and client state lives in the SuperNode's ``context.state``.
-"""
-from __future__ import annotations
-
-from ..errors import ConfigError
-
-
-def require_flwr() -> None:
-    """ConfigError with the install command when Flower is not installed."""
-    try:
-        import flwr  # noqa: F401
-    except ImportError:
-        raise ConfigError("Flower is not installed; install it with: pip install 'fedlt[flower]'") from None
+"""The Flower engine's old place: it lives in :mod:`fedlt.engine.flower`, beside the other engines. These modules
+keep the names that app directories written by an earlier ``fedlt flower app`` give their components
+(``fedlt.flower.server_app:app``, ``fedlt.flower.client_app:app``), so such a directory still runs."""

@@ -194,8 +194,11 @@ def _run_locked(cfg, pr: Prepared, out: Path, progress, echo, checkpoint_every, 
     config = {**cfg.to_dict(), "model": pr.spec.model, "lt_profile_used": lt_profile_of(cfg, fed),
               "method_params": vars(method.p), "engine": "simulation"}
     sim = Simulation(method, fed, EngineConfig.of(cfg, progress))
-    return run_recorded(sim, cfg, out, config, fed, fed.test_sizes(), echo,
-                        checkpoint_every=checkpoint_every, resume=resume, labels=labels, intro=fed.summary())
+    try:
+        return run_recorded(sim, cfg, out, config, fed, fed.test_sizes(), echo,
+                            checkpoint_every=checkpoint_every, resume=resume, labels=labels, intro=fed.summary())
+    finally:
+        sim.close()  # worker processes (--workers) end with the run
 
 
 def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federation, test_sizes: list[int], echo,

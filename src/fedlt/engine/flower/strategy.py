@@ -31,18 +31,18 @@ from flwr.app import ArrayRecord, ConfigRecord, Message as FlwrMessage, MetricRe
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from ..config import RunConfig
-from ..core.method import Message, Method
-from ..core.state import tree_of
-from ..data import Federation
-from ..data.datasets import load_dataset
-from ..data.federated import Prep
-from ..engine.clientstate import ClientStates
-from ..engine.driver import TRAINING, Driver, EngineConfig, is_eval_round
-from ..errors import ConfigError
-from ..runner.rundir import make_spec, run_dir_for, run_recorded
-from ..metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
-from ..plugins import method_class
+from ...config import RunConfig
+from ...core.method import Message, Method
+from ...core.state import tree_of
+from ...data import Federation
+from ...data.datasets import load_dataset
+from ...data.federated import Prep
+from ..clientstate import ClientStates
+from ..driver import TRAINING, Driver, EngineConfig, is_eval_round
+from ...errors import ConfigError
+from ...runner.rundir import make_spec, run_dir_for, run_recorded
+from ...metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
+from ...plugins import method_class
 from .client_app import global_state_records, job_text
 from .records import control, from_records, load_client_state, save_client_state, state_tag, to_records
 from .settings import FLOWER_DEFAULTS
@@ -279,7 +279,7 @@ class FedltStrategy(Strategy):
         """The whole run by the run driver over ``grid``; writes the run directory (``cfg.out``/``cfg.name``)
         as every engine does (``fedlt.runner.rundir.run_recorded``: checkpoints every ``checkpoint_every``
         rounds, ``resume`` from one) and returns the summary."""
-        from ..runner.runstate import check_resumable, owned_run_dir
+        from ...runner.runstate import check_resumable, owned_run_dir
 
         cfg = self.cfg
         out = Path(out) if out is not None else run_dir_for(cfg)
@@ -316,7 +316,7 @@ class GridTransport:
     the fedlt run, whose id (``run``) a checkpoint keeps, so that a resumed run (a new Flower run) finds them.
     Every message says which round the client's state must reflect and which rounds the server may resume from
     (:meth:`state_control`), so that a run resumed from its checkpoint of round r rolls each client back to the
-    version of round r. On an :class:`~fedlt.flower.inprocess.InProcessGrid`, whose nodes live in this process,
+    version of round r. On an :class:`~fedlt.engine.flower.inprocess.InProcessGrid`, whose nodes live in this process,
     the states are also read for checkpoints and written back on resume."""
 
     def __init__(self, strategy: FedltStrategy, grid: Grid | None = None):

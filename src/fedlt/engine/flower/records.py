@@ -28,10 +28,10 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from ..codec import pack, unpack
-from ..core.method import Message
-from ..engine.clientstate import ClientStates
-from ..errors import ConfigError
+from ...codec import pack, unpack
+from ...core.method import Message
+from ..clientstate import ClientStates
+from ...errors import ConfigError
 
 CONTROL = "fedlt"
 CSTATE, CSTATE_ARRAYS = "fedlt.cstate", "fedlt.cstate.arrays"
