@@ -8,6 +8,8 @@ cannot drift from it.
   its post-training phases, and the whole docstring (the algorithm box).
 - ``settings.md``: every run setting (``fedlt.config.RunConfig``), from its declaration (``fedlt.decl``): TOML
   key, command line, type, default, what it allows and what it means.
+- ``privacy.md``: what leaves the client -- every method's declaration of what its clients send
+  (``Method.sends``, ``fedlt.core.privacy``), by category, and what each category reveals.
 - ``api.md``: every name of ``fedlt.__all__``, rendered by mkdocstrings from its docstring.
 
 The package is imported from this checkout's ``src`` (not from whatever fedlt is installed).
@@ -42,7 +44,8 @@ def _methods(root: Path) -> list[tuple[str, type]]:
 
 def page_uris(root: Path) -> list[str]:
     """The pages this hook writes, relative to ``docs/`` (pages and tests may link to them)."""
-    return ["api.md", "settings.md", "methods/index.md"] + [f"methods/{name}.md" for name, _ in _methods(root)]
+    return ["api.md", "settings.md", "privacy.md", "methods/index.md"] + \
+        [f"methods/{name}.md" for name, _ in _methods(root)]
 
 
 def on_config(config):
@@ -63,7 +66,19 @@ def on_files(files, config):
         files.append(File.generated(config, f"methods/{name}.md", content=method_page(name, cls)))
     files.append(File.generated(config, "api.md", content=api_page(_fedlt(_root(config)))))
     files.append(File.generated(config, "settings.md", content=settings_page(_fedlt(_root(config)))))
+    files.append(File.generated(config, "privacy.md", content=privacy_page(methods)))
     return files
+
+
+FENCE_OPTION = re.compile(r"^```(\w+) (file|append)=(\S+)[ \t]*$", re.M)
+
+
+def on_page_markdown(markdown, page, config, files):
+    """The tutorials' code blocks name the file the tests write them to (```` ```python file=x.py ````,
+    ``append=x.py``: tests/test_docs.py), which the fences extension does not take for a fence: shown on the
+    site as a block titled with the file."""
+    return FENCE_OPTION.sub(lambda m: f'```{m.group(1)} title="{m.group(3)}'
+                                      f'{" (continued)" if m.group(2) == "append" else ""}"', markdown)
 
 
 ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc):<code>(~?)([\w.]+)</code>")
@@ -131,6 +146,9 @@ def method_page(name: str, cls) -> str:
                     f"stands for what its default says."]
     else:
         out += ["None."]
+    out += ["", "## What leaves the client", ""] + sends_table(cls) + [
+        "", f"Categories: [What leaves the client](../privacy.md). A run records what its clients actually sent in "
+            f"its directory (`sent.jsonl`); `fedlt list {name}` prints this table."]
     for title, pattern, none in (
             ("Inference modes", r"inference\b", "The docstring has no inference paragraph: GM is the global "
                                                 "model, PM as the table above says."),
@@ -175,6 +193,67 @@ def _md_text(s: str) -> str:
 
 def _cell(s: str) -> str:
     return _md_text(s).replace("|", r"\|")
+
+
+# ------------------------------------------------------------------------------------------------ privacy
+def sends_table(cls) -> list[str]:
+    """A method's declaration of what its clients send (``cls.sends``), one row per item."""
+    from fedlt.core.privacy import rows_of
+
+    out = ["| when | name | kind | category | what it is |", "| --- | --- | --- | --- | --- |"]
+    for r in rows_of(cls):
+        name = r["name"] if r["name"].startswith("the ") else f"`{r['name']}`"
+        out.append(f"| {_cell(r['when'])} | {name} | {r['kind']} | {r['category']} | {_cell(r['what'])} |")
+    return out
+
+
+def privacy_page(methods) -> str:
+    """Every built-in method's declaration in one table, by category, and what each category reveals."""
+    from fedlt.core.privacy import CATEGORIES, ROUNDS
+
+    cats = list(CATEGORIES)
+    rows = ["| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
+    for name, cls in methods:
+        cells = []
+        for c in cats:
+            whens = {s.when for s in cls.sends if s.category == c}
+            rounds = bool(whens & {ROUNDS, "*"})
+            phases = sorted(w for w in whens if w not in (ROUNDS, "*"))
+            cells.append(" + ".join((["R"] if rounds else []) + (["P"] if phases else [])))
+        rows.append(f"| [`{name}`](methods/{name}.md) | " + " | ".join(cells) + " |")
+    return "\n".join([
+        "# What leaves the client", "",
+        "Every method declares, beside its parameters, every array and meta value its clients send -- in the "
+        "training rounds and in each post-training phase -- with what it reveals about the client's data "
+        "(`Method.sends`, a tuple of `fedlt.sent(...)`; `fedlt.core.privacy`). This page is written from those "
+        "declarations when the site is built; each method's page lists its own, item by item, and "
+        "`fedlt list METHOD` prints the same.", "",
+        "The declarations cannot drift from the code: the run driver hands every reply to a check, and with "
+        "`FEDLT_CHECK_SENDS=1` in the environment (the test suite sets it) an array or meta value a method does not "
+        "declare stops the run with one line naming the method, the client, the item and the round; a test runs "
+        "every registered method through a round and its phases and compares what was sent with the declaration. "
+        "Without the variable the run goes on, records the item as `undeclared` and says so once.", "",
+        "Every run records what actually left its clients in its directory, `sent.jsonl`: one JSON line per round "
+        "(`round`) or post-training phase (`phase`) and per declared item -- `sent` (the item's name; `<model>`: "
+        "the model's state-dict entries), `category`, `arrays` or `values` (how many one client sent), `shape` (of "
+        "one client's, where it sent one and all agree), `bytes` (summed over the clients; a number in meta counts "
+        "8) and `clients`. A resumed run appends to it.", "",
+        "## Categories", "",
+        "| category | what it reveals |", "| --- | --- |",
+        *[f"| {c} | {_cell(w)} |" for c, w in CATEGORIES.items()], "",
+        "## Every method", "",
+        "R: sent in the training rounds; P: in a post-training phase (the method's page says which). "
+        "A method page's *What leaves the client* table names every item and its shape.", "",
+        *rows, "",
+        "## Besides the methods' messages", "",
+        "What the engines themselves move, whatever the method (not in the table above):", "",
+        "- the simulator (one process, or `--workers` processes on one machine): nothing crosses a network; every "
+        "client's class counts are known to it (the federation is built there) and written to `partition.json`.",
+        "- the Flower engine: each SuperNode answers a `query.describe` with its client id, its training label "
+        "counts and its test-set size (for the many / medium / few split and `partition.json`): a class-counts "
+        "disclosure of every client, once per run. Each evaluation sends back the client's accuracy on its own "
+        "test set, per class (`None` for classes its test set lacks) and per group. A reply's numeric meta values "
+        "also travel as a `MetricRecord` (Flower's own metrics: the same numbers again).", ""])
 
 
 # ------------------------------------------------------------------------------------------------ settings
@@ -237,7 +316,7 @@ GROUPS = [
                                          "RunConfig"]),
     ("Writing a method", ["Method", "Message", "Predictor", "RunSpec", "train_local", "weights_of",
                           "load_weights", "LocalSteps", "Train", "Trained", "StepModel", "ce", "strip",
-                          "setting"]),
+                          "setting", "sent", "Sent"]),
     ("Registries and errors", ["METHODS", "DATASETS", "MODELS", "PARTITIONS", "FedltError", "ConfigError",
                                "DataError"]),
 ]

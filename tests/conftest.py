@@ -16,6 +16,10 @@ os.environ.pop("WANDB_API_KEY", None)
 os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
                    "FLWR_TELEMETRY_ENABLED": "0"})
 
+# a client reply carrying an array or meta value its method does not declare (Method.sends) stops the run with one
+# line (fedlt.core.privacy): every test that trains checks the declarations; child processes inherit it
+os.environ["FEDLT_CHECK_SENDS"] = "1"
+
 # the tests see the plugins they plant (each names its folder), never one installed in the environment (the
 # writing-a-method tutorial's fedavg-la): fedlt.registry.plugin_visible; child processes inherit it
 os.environ["FEDLT_PLUGIN_PATH"] = ""

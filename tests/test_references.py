@@ -33,8 +33,8 @@ def files(root: Path) -> list[Path]:
 
 
 def generated_pages(root: Path) -> set[Path]:
-    """The pages the documentation site's hook (docs/gen_reference.py) writes at build time -- the method and
-    API references: not files of the repository, but a link to one is not dangling."""
+    """The pages the documentation site's hook (docs/gen_reference.py) writes at build time -- the method, API,
+    settings and privacy references: not files of the repository, but a link or path to one is not dangling."""
     hook = root / "docs" / "gen_reference.py"
     if not hook.is_file():
         return set()
@@ -60,7 +60,7 @@ def dangling(root: Path, skip: tuple[Path, ...] = ()) -> list[str]:
             bad = [f"{m.group(0)} (outside the repository)" for m in OUTSIDE.finditer(line)]
             bad += [f"{m.group(1)} (no such file)" for m in TOP_MD.finditer(line) if not (root / m.group(1)).exists()]
             bad += [f"{m.group(1)} (no such path)" for m in REPO_PATH.finditer(line)
-                    if not _exists(root, m.group(1))]
+                    if not _exists(root, m.group(1)) and (root / m.group(1)).resolve() not in generated]
             if path.suffix == ".md":
                 bad += [f"{m.group(1)} (broken link)" for m in MD_LINK.finditer(line)
                         if "://" not in m.group(1) and not m.group(1).startswith("mailto:")

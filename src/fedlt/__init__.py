@@ -5,7 +5,7 @@ The public, stable API is what ``__all__`` lists: running and comparing methods 
 what a method of your own needs
 (``Method``, ``Message``, ``Predictor``, ``RunSpec``, the local-step description ``LocalSteps``/``Train``/
 ``Trained``/``StepModel``/``ce``/``strip``, ``train_local``, ``weights_of``, ``load_weights``, ``setting`` (a
-declared hyper-parameter), ``METHODS.register``; see docs/writing-a-method.md and docs/batched-clients.md). Everything else may change between versions.
+declared hyper-parameter), ``sent`` (a declared thing its clients send), ``METHODS.register``; see docs/writing-a-method.md and docs/batched-clients.md). Everything else may change between versions.
 """
 __version__ = "0.1.0"
 
@@ -20,8 +20,8 @@ from .api import (Comparison, MethodInfo, Metrics, Reproduced, RunResult, compar
                   make_config, report, reproduce, run, sweep)
 from .config import RunConfig  # noqa: E402
 from .decl import setting  # noqa: E402
-from .core import (LocalSteps, Message, Method, Predictor, RunSpec, StepModel, Train, Trained, ce,  # noqa: E402
-                   load_weights, strip, train_local, weights_of)
+from .core import (LocalSteps, Message, Method, Predictor, RunSpec, Sent, StepModel, Train, Trained, ce,  # noqa: E402
+                   load_weights, sent, strip, train_local, weights_of)
 
 __all__ = [
     # running and reading experiments (fedlt.api)
@@ -29,7 +29,7 @@ __all__ = [
     "RunResult", "Comparison", "Metrics", "MethodInfo", "RunConfig", "Reproduced",
     # writing a method (fedlt.core.method, fedlt.core.training)
     "Method", "Message", "Predictor", "RunSpec", "train_local", "weights_of", "load_weights",
-    "LocalSteps", "Train", "Trained", "StepModel", "ce", "strip", "setting",
+    "LocalSteps", "Train", "Trained", "StepModel", "ce", "strip", "setting", "sent", "Sent",
     # registries (METHODS.register) and errors
     "METHODS", "DATASETS", "MODELS", "PARTITIONS", "FedltError", "ConfigError", "DataError",
 ]

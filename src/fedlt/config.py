@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .core.dp import unprotected
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
 from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
                    check_relations, check_values, coerce, declared_in, excludes, requires, rows, settings_of, setting,
@@ -29,6 +30,7 @@ def _ratio_hint(rho: float) -> str:
 
 
 # experiment trackers (fedlt.runner.trackers): the package each needs, and how to install it
+PRIVACY = "privacy"
 TRACKERS = {"mlflow": ("mlflow", "pip install 'fedlt[mlflow]'"), "wandb": ("wandb", "pip install 'fedlt[wandb]'"),
             "tensorboard": ("tensorboard", "pip install 'fedlt[tensorboard]'")}
 
@@ -172,6 +174,26 @@ class RunConfig:
     over_select: float = setting(1.0, "sample F times the clients a round wants and aggregate the first of them "
                                       "to arrive within the deadline", low=1, limit=100, metavar="F", group=TRAIN)
     allow_large: bool = declared_in(RunSpec, "allow_large")
+    # differential privacy (fedlt.core.dp, docs/privacy.md)
+    dp: str = setting("off", "differential privacy: client (DP-FedAvg: each client's update clipped, Gaussian "
+                             "noise on their sum, Poisson sampling, an RDP accountant) or off",
+                      choices=("off", "client"), group=PRIVACY, reads=("engine",))
+    dp_clip: float | None = setting(None, "--dp client: the L2 norm each client's update is clipped to", low=0,
+                                    low_open=True, metavar="C", group=PRIVACY, reads=("engine",),
+                                    none_means="required with --dp client")
+    dp_noise: float | None = setting(None, "--dp client: the noise multiplier z (noise std z x clip on the sum)",
+                                     low=0, low_open=True, metavar="Z", group=PRIVACY, reads=("engine",),
+                                     none_means="solved from --dp-epsilon")
+    dp_epsilon: float | None = setting(None, "--dp client: the epsilon the whole run may spend; the noise is solved "
+                                             "for it, the rounds and the sampling rate", low=0, low_open=True,
+                                       metavar="E", group=PRIVACY, reads=("engine",),
+                                       none_means="from --dp-noise")
+    dp_delta: float | None = setting(None, "--dp client: delta of (epsilon, delta)-DP", low=0, low_open=True,
+                                     high=1, high_open=True, metavar="D", group=PRIVACY, reads=("engine",),
+                                     none_means="1 / clients^1.1 (below 1 / clients)")
+    dp_budget: float | None = setting(None, "--dp client: stop (cleanly, exit 0) before a round whose epsilon would "
+                                            "pass this", low=0, low_open=True, metavar="E", group=PRIVACY,
+                                      reads=("engine",), none_means="no budget")
     # evaluation and output
     eval_every: int = setting(5, "evaluate every N rounds", low=1, high=INT32, group=OUTPUT,
                               reads=("engine",))
@@ -456,6 +478,13 @@ def clients_per_round(num_clients: int, participation: float, what: str = "parti
     return n
 
 
+def unprotected_by(cfg) -> list[str]:
+    """What method ``cfg.method``'s clients send that --dp client would not protect (its ``sends``)."""
+    from .plugins import method_class
+
+    return unprotected(getattr(method_class(cfg), "sends", ()))
+
+
 def available_cores() -> int:
     """The CPU cores this process may use (its affinity where the system says, else the machine's)."""
     try:
@@ -620,6 +649,30 @@ RELATIONS: list[Relation] = [
                        f"{worker_count(c) * (c.threads or 1)} threads, past the {available_cores()} cores this process "
                        f"may use; lower --workers or --threads (or use --workers auto)",
              when=lambda c: worker_count(c) > 0, others=("threads",), bad=({"workers": "2", "threads": 4096},)),
+    *[applies_when(name, lambda c: c.dp == "client", f"--{name.replace('_', '-')} applies to --dp client; add "
+                   f"--dp client or drop it", others=("dp",), bad=({name: value},))
+      for name, value in (("dp_clip", 1.0), ("dp_noise", 1.0), ("dp_epsilon", 8.0), ("dp_delta", 1e-5),
+                          ("dp_budget", 8.0))],
+    requires("dp", lambda c: c.dp_clip is not None, "--dp client needs --dp-clip C, the norm each client's update "
+             "is clipped to (e.g. 1.0; McMahan et al. tune it to the median update norm)",
+             when=lambda c: c.dp == "client", others=("dp_clip",), bad=({"dp": "client", "dp_noise": 1.0},)),
+    requires("dp", lambda c: (c.dp_noise is None) != (c.dp_epsilon is None),
+             "--dp client needs exactly one of --dp-noise Z and --dp-epsilon E (the noise solved for it)",
+             when=lambda c: c.dp == "client", others=("dp_noise", "dp_epsilon"),
+             bad=({"dp": "client", "dp_clip": 1.0}, {"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0,
+                                                      "dp_epsilon": 8.0})),
+    requires("dp", lambda c: not unprotected_by(c),
+             lambda c: f"--dp client protects the model update only, and method {c.method}'s clients also send "
+                       f"{', '.join(unprotected_by(c))}, which would leave unprotected; choose a method whose clients "
+                       f"send only the model (fedavg, fedprox, fedavgm, fedadam)",
+             when=lambda c: c.dp == "client", others=("method",),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"},)),
+    requires("dp", lambda c: c.availability == "always" and c.drop_rate == 0 and c.round_deadline is None
+             and c.over_select == 1,
+             "--dp client samples every client with probability participation / clients each round, as its "
+             "accountant assumes: drop --availability, --drop-rate, --round-deadline and --over-select",
+             when=lambda c: c.dp == "client", others=("availability", "drop_rate", "round_deadline", "over_select"),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "drop_rate": 0.5},)),
     requires("tracker", lambda c: "none" not in c.tracker or len(set(c.tracker)) == 1,
              lambda c: f"--tracker none means no tracker and cannot go with {words(sorted(set(c.tracker) - {'none'}), 'and')}"
                        f"; drop none or the others", bad=({"tracker": "none,tensorboard"},)),

@@ -33,6 +33,26 @@ def print_rows(rows: list[dict], flags: bool = True) -> None:
                 print(f"  {'':<20} {line}")
 
 
+def print_sends(cls) -> None:
+    """What a method's clients send (its ``sends``, fedlt.core.privacy) as a table: when, name, kind, category,
+    then what it is, indented; and what each category it names reveals."""
+    from ..core.privacy import CATEGORIES, rows_of
+
+    rows = rows_of(cls)
+    print(f"what leaves the client ({cls.__name__}.sends; docs/privacy.md; a run records it in sent.jsonl):")
+    if not rows:
+        print("  nothing")
+        return
+    w = {k: max(len(k), *(len(r[k]) for r in rows)) for k in ("when", "name", "kind", "category")}
+    print("  " + "  ".join(f"{k:<{w[k]}}" for k in w).rstrip())
+    for r in rows:
+        print("  " + "  ".join(f"{r[k]:<{w[k]}}" for k in w).rstrip())
+        print(f"  {'':<{w['when']}}  {r['what']}")
+    print("categories:")
+    for c in dict.fromkeys(r["category"] for r in rows):
+        print(f"  {c:<{w['category']}}  {CATEGORIES[c]}")
+
+
 def main(args) -> int:
     from ..registry import METHODS
 
@@ -53,6 +73,7 @@ def main(args) -> int:
               f"what it allows):")
         params = rows(cls.Params)
         print_rows(params, flags=False) if params else print("  none")
+        print_sends(cls)
         return 0
     from ..api import list_methods
     from ..config import PRESETS

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..decl import check_values, from_values
 from ..models import Model, build_model
+from .privacy import MODEL, Sent, check_declaration, sent
 from .spec import RunSpec, load_weights, weights_of
 from .state import ServerState, state_from
 from .steps import run_steps
@@ -129,6 +130,15 @@ class Method:
 
     State = ServerState  # the server state's fields (core.state): a method with more declares State(Base.State)
 
+    # what its clients send, every array and meta value, in the rounds and in each phase (core.privacy, the page
+    # docs/privacy.md): a method whose replies differ declares its own beside its Params/State, often
+    # ``Base.sends + (sent(...), ...)``
+    sends: tuple[Sent, ...] = (
+        sent(MODEL, "model", "the trained model, every entry of its state dict"),
+        sent("num_examples", "size", "the number of training samples", meta=True),
+        sent("*", "scalars", "training statistics: the mean loss, its parts, the steps", meta=True, numbers_only=True),
+    )
+
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         for base in cls.__mro__[1:]:  # a State that drops a base's fields would fail in that base's hooks
@@ -136,6 +146,7 @@ class Method:
             if st is not None and not issubclass(cls.State, st):
                 raise TypeError(f"{cls.__qualname__}.State must subclass {base.__qualname__}.State "
                                 f"(declare State({base.__qualname__}.State, ...))")
+        check_declaration(cls)  # every Sent sent in the rounds, "*" or one of its phases
 
     def __init__(self, spec: RunSpec, params: Any = None):
         self.spec = spec

@@ -33,14 +33,16 @@ import numpy as np
 import torch
 
 from ..config import RunConfig, clients_per_round, lr_at, worker_count
+from ..core.dp import ClientDP
 from ..core.method import Message, Method, derive_seed
+from ..core.privacy import sends_check
 from ..core.state import snapshot, tree_of, typed
 from ..decl import reads_settings, settings_values
 from ..errors import ConfigError
 from ..metrics import headline
 from .faults import Faults, RoundPlan
 
-SAMPLING, TRAIN, PHASE, EVAL_SAMPLE = 10, 11, 12, 13
+SAMPLING, TRAIN, PHASE, EVAL_SAMPLE, DP_NOISE = 10, 11, 12, 13, 14
 TRAINING = "train"  # the ``kind`` of a training round's exchange; a phase's is its name
 
 
@@ -50,6 +52,13 @@ def sampling_schedule(num_clients: int, per_round: int, rounds: int, seed: int) 
         raise ConfigError(f"clients per round must be between 1 and {num_clients}, got {per_round}")
     rng = np.random.default_rng([seed, SAMPLING])
     return [sorted(rng.choice(num_clients, size=per_round, replace=False).tolist()) for _ in range(rounds)]
+
+
+def poisson_schedule(num_clients: int, rate: float, rounds: int, seed: int) -> list[list[int]]:
+    """The clients of every round, each one in with probability ``rate`` independently (Poisson sampling: a
+    round may have more or fewer clients than ``rate x num_clients``, or none)."""
+    rng = np.random.default_rng([seed, SAMPLING, 1])
+    return [np.flatnonzero(rng.random(num_clients) < rate).tolist() for _ in range(rounds)]
 
 
 def eval_sample(num_clients: int, eval_clients: float, seed: int) -> list[int]:
@@ -163,8 +172,14 @@ class Driver:
         self.method, self.cfg, self.transport = method, cfg, transport
         self.log = log or (lambda rec: None)
         self.num_clients = num_clients
-        self.schedule = sampling_schedule(num_clients, clients_per_round(num_clients, cfg.participation),
-                                          cfg.rounds, cfg.seed)
+        per_round = clients_per_round(num_clients, cfg.participation)
+        # --dp client (core.dp): every client sampled with probability per_round / num_clients, as its accountant
+        # assumes; else exactly per_round clients, uniformly without replacement
+        self.dp = None if cfg.dp == "off" else ClientDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta,
+                                                         cfg.dp_budget, num_clients, per_round, cfg.rounds)
+        self.schedule = sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed) if self.dp is None else \
+            poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed)
+        self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)
         self.eval_clients = eval_sample(num_clients, cfg.eval_clients, cfg.seed)
         self.round = 0
         self.state = typed(method, method.init_server())
@@ -187,6 +202,9 @@ class Driver:
         self.round_end: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         # called with each round's record after training and before its evaluation (a divergence check)
         self.after_train: list[Callable[["Driver", dict], None]] = []
+        # called with (kind, index, replies) as every exchange's replies arrive, rounds and phases alike (what left
+        # the clients: core.privacy checks it against the method's declaration, the run directory records it)
+        self.on_replies: list[Callable[[str, int, Replies], None]] = [sends_check(method)]
 
     def close(self) -> None:
         """The run is over (finished or stopped): the transport lets go of what it holds (worker processes)."""
@@ -239,6 +257,10 @@ class Driver:
         payloads = self.payloads(kind, index, [c for c in cids if c not in why], make_payload)
         replies, lost = self.transport.send_and_receive(kind, index, payloads) if payloads else ([], {})
         why.update(lost)
+        if kind == TRAINING and self.dp is not None:  # each reply as its client sends it: clipped (core.dp)
+            replies = self.dp.client_side(payloads, replies)
+        for hook in self.on_replies:
+            hook(kind, index, replies)
         extra = {}
         if kind == TRAINING:
             extra = {"sampled": len(cids), "trained": len(replies)}
@@ -299,6 +321,9 @@ class Driver:
         m = self.method
         replies, comm = self.exchange(TRAINING, rnd, f"round {rnd}", cids, lambda c: m.configure(self.state, rnd, c),
                                       plan)
+        if self.dp is not None and replies:  # the server's noise on the clipped updates' sum (core.dp)
+            replies = self.dp.server_side(replies, torch.Generator().manual_seed(
+                derive_seed(self.cfg.seed, DP_NOISE, rnd, 0)))
         if replies:
             self.state = m.aggregate(self.state, rnd, replies)
         else:  # a round nobody answered leaves the state as it was
@@ -308,8 +333,9 @@ class Driver:
                 self.echo(f"note: round {rnd}: {note}")
         self.round = rnd
         losses = [r.meta["loss"] for _, r in replies if "loss" in r.meta]
+        dp = {} if self.dp is None else {"dp_epsilon": self.dp.epsilon(rnd), **self.dp.record()}
         return {"round": rnd, "clients": cids, "train_loss": float(np.mean(losses)) if losses else None,
-                "lr": self.round_config(TRAINING, rnd)["lr"], **comm, "round_time": time.perf_counter() - t0}
+                "lr": self.round_config(TRAINING, rnd)["lr"], **comm, **dp, "round_time": time.perf_counter() - t0}
 
     def phase_clients(self) -> list[int]:
         """The clients a post-training phase reaches: the ones that trained and the evaluation sample -- every
@@ -387,6 +413,10 @@ class Driver:
         last = {}
         try:
             while self.round < cfg.rounds:
+                if self.dp is not None and (why := self.dp.over_budget(self.round + 1)) is not None:
+                    self.stopped = why  # --dp-budget: the run ends here, cleanly (phases, final evaluation)
+                    self.echo(why)
+                    break
                 rec = self.train_round()
                 for hook in self.after_train:
                     hook(self, rec)

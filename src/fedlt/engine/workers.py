@@ -17,8 +17,9 @@ the client's new state and its global RNG state after the hook. Each client trai
 thread per worker every reply is bit for bit the reply of ``--threads 1`` one client after another; the driver
 then sets its global RNG to the last client's, as if it had trained them all itself, and aggregates as always.
 
-A worker that dies (killed, out of memory) fails the exchange with one line naming the clients it held; the run's
-last checkpoint is intact, and ``--resume`` goes on from there with a fresh pool.
+A worker that dies (killed, out of memory) fails the exchange with one line naming the round's clients that had not
+answered (the pool cannot tell which of them the dead worker held); the run's last checkpoint is intact, and
+``--resume`` goes on from there with a fresh pool.
 """
 from __future__ import annotations
 
@@ -130,9 +131,10 @@ class Workers(InProcess):
                 lost = [c for c, f in futures.items() if not (f.done() and f.exception() is None)]
                 self.close()
                 what = f"round {index}" if kind == TRAINING else f"phase {kind}"
-                raise WorkerDied(f"a worker process died while training client{'s' if len(lost) > 1 else ''} "
-                                 f"{', '.join(map(str, lost))} of {what} (killed, or out of memory); the last "
-                                 f"checkpoint is intact: --resume continues from it") from None
+                raise WorkerDied(f"a worker process died in {what} (killed, or out of memory) while client"
+                                 f"{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+                                 f"{'were' if len(lost) > 1 else 'was'} training or waiting; the run's checkpoints "
+                                 f"are intact: --resume continues from the last one") from None
             self.keep(cid, cstate)
             replies.append((cid, reply))
         torch.set_rng_state(rng)  # the global RNG as the last client left it, as in process

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import Message, derive_seed, load_weights
+from ..core.privacy import class_gaussian_sends
 from ..core.retrain import class_gaussians, draw_class_features, retrain_head, retrained_head_modes
 from ..decl import setting
 from ..registry import METHODS
@@ -59,6 +60,9 @@ class CCVR(FedAvg):
     @dataclass
     class State(FedAvg.State):
         calibrated: dict[str, torch.Tensor] | None = None  # the calibrated head (None before the ccvr phase)
+
+    # training: FedAvg's; the calibration phase: the class Gaussians of the client's features, never a sample
+    sends = FedAvg.sends + class_gaussian_sends("ccvr", "ccvr", "the final global backbone")
 
     # ------------------------------------------------------------------ the calibration phase
     def phase_configure(self, phase, state, cid):

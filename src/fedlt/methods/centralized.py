@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import Message, Method, derive_seed, load_weights, train_local, weights_of
+from ..core.privacy import sent
 from ..decl import setting
 from ..errors import ConfigError
 from ..registry import METHODS
@@ -38,6 +39,11 @@ class Centralized(Method):
     @dataclass
     class Params:
         epochs_per_round: int = setting(1, "epochs over the pooled data per round", low=1, limit=10**4)
+
+    # a reference, not a federated method: every client's data is pooled on the server (outside any message); the
+    # clients' replies carry nothing of theirs
+    sends = (sent("num_examples", "size", "always 0: the clients do not train (the server trains on the pooled "
+                  "data)", meta=True),)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, Method, load_weights, train_local, weighted_average, weights_of
+from ..core.privacy import sent
 from ..decl import setting
 from ..registry import METHODS
 
@@ -80,6 +81,11 @@ class CLIMB(Method):
     class State(Method.State):
         lam: torch.Tensor | None = None  # [K] the dual variables, one per client (cpu)
         pending: dict[int, float] = field(default_factory=dict)  # client -> its loss, since the last dual step
+
+    sends = Method.sends + (
+        sent("climb.loss", "scalars", "the received global model's mean loss on the client's training data, before "
+             "training, [1]"),
+    )
 
     # ------------------------------------------------------------------ server
     def init_server(self) -> "CLIMB.State":

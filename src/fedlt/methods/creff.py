@@ -56,6 +56,7 @@ from ..core import (Message, Method, Predictor, ce_loss, derive_seed, load_weigh
                     weights_of)
 from ..core.classgrad import head_ce_grads, mean_class_grads, pack_class_grads
 from ..core.dsa import siamese_augment
+from ..core.privacy import sent
 from ..core.retrain import retrain_head
 from ..decl import setting
 from ..registry import METHODS
@@ -114,6 +115,12 @@ class CReFF(Method):
         crt: dict[str, torch.Tensor] | None = None  # the re-trained classifier's entries ("crt.weight", "crt.bias")
         feats: torch.Tensor | None = None  # the federated (synthetic) features, C * ipc x d
         labels: torch.Tensor | None = None  # their class labels
+
+    sends = Method.sends + (
+        sent("grad.classes", "class-counts", "the classes the client holds, [|C_k|] class ids"),
+        sent("grad.[wb]", "class-gradients", "per held class, the gradient of the re-trained head's CE on its real "
+             "features w.r.t. (W, b): [|C_k|, C, d] and [|C_k|, C]"),
+    )
 
     def new_head(self, purpose: int, rnd: int = 0) -> nn.Linear:
         d, C = self.net.feature_dim, self.spec.num_classes

@@ -55,6 +55,7 @@ from torch import nn
 
 from ..core import LocalSteps, Message, Method, ce, derive_seed, load_weights, weighted_average
 from ..core.personal import personal_net
+from ..core.privacy import class_gaussian_sends, sent
 from ..core.retrain import (class_gaussians, draw_class_features, local_features, pooled_gaussian, retrain_head,
                             retrained_head_modes)
 from ..decl import setting
@@ -126,6 +127,11 @@ class DFLFS(Method):
     class State(Method.State):
         selected: torch.Tensor | None = None  # the clients whose models the last round averaged (cpu, long)
         retrained: dict[str, torch.Tensor] | None = None  # stage 2's re-trained classifier (None: none yet)
+
+    sends = Method.sends + (
+        sent("dflfs.stat", "features", "the masked mean of its features under the received backbone, [d] (the "
+             "server's mask keeps mask_ratio of the dimensions; select=cluster)"),
+    ) + class_gaussian_sends("dflfs", "regenerate", "the final backbone")
 
     # ------------------------------------------------------------------ stage 1
     def feature_mask(self, rnd: int) -> torch.Tensor:

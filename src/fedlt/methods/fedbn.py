@@ -24,6 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..core import Predictor
 from ..core.personal import PartialSharing
+from ..core.privacy import MODEL, sent
 from ..models import bn_keys
 from ..registry import METHODS
 
@@ -33,6 +34,9 @@ class FedBN(PartialSharing):
     @dataclass
     class Params:
         pass
+
+    sends = (sent(MODEL, "model", "the trained model but its BatchNorm layers (they stay on the client)"),) + \
+        PartialSharing.sends[1:]
 
     def local_keys(self, model):
         return bn_keys(model)

@@ -78,6 +78,7 @@ from torch import nn
 
 from ..core import LocalSteps, Message, Method, derive_seed, load_weights, weighted_average
 from ..core.personal import personal_net
+from ..core.privacy import sent
 from ..core.retrain import local_features
 from ..decl import setting
 from ..errors import ConfigError
@@ -167,6 +168,14 @@ class FedCRAC(Method):
         margin: torch.Tensor | None = None  # [C, C] class-similarity margins sent to the clients
         mean: torch.Tensor | None = None  # [C, d] global per-class feature means (a class no client had: kept)
         var: torch.Tensor | None = None  # [C, d] global per-class feature variances (likewise)
+
+    sends = Method.sends + (
+        sent("fedcrac.count", "class-counts", "the client's class counts, [C]"),
+        sent("fedcrac.stat", "class-counts", "which classes it sends statistics of (those with at least 2 samples), "
+             "[C] bool"),
+        sent("fedcrac.mean", "class-means", "its per-class feature means under the trained model, [C, d]"),
+        sent("fedcrac.var", "class-moments", "its per-class, per-dimension feature variances, [C, d]"),
+    )
 
     def new_model(self):
         m = super().new_model()

@@ -40,6 +40,7 @@ from ..core.etf import fixed_classifier
 from ..core.personal import personal_predictor
 from ..core.losses import balanced_softmax_loss
 from ..core.priors import prior_counts
+from ..core.privacy import MODEL, sent
 from ..decl import setting
 from ..errors import ConfigError
 from ..models import Model
@@ -120,6 +121,13 @@ class FedETF(Method):
         pers_lr_m: float = setting(0.1, "SGD lr for M_k (no momentum, no weight decay)", low=0)
         pers_lr_proj: float = setting(0.05, "SGD lr for the projection (momentum 0.9)", low=0)
         pers_wd_proj: float = setting(5e-4, "weight decay for the projection", low=0)
+
+    sends = (sent(MODEL, "model", "the trained backbone and projection (the fixed ETF classifier never "
+                  "travels)"),) + Method.sends[1:] + (
+        sent("num_examples", "size", "the number of training samples", meta=True, when="personalize"),
+        sent("*", "scalars", "the personalization's balanced round: its mean loss and steps", meta=True,
+             numbers_only=True, when="personalize"),
+    )
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import Message, Method, derive_seed, load_weights, train_local, weights_of
+from ..core.privacy import MODEL, sent
 from ..core.vit import PromptedViT, load_vit
 from ..decl import setting
 from ..errors import ConfigError
@@ -112,6 +113,9 @@ class FedGPA(Method):
         vit_std: tuple[float, ...] = setting((0.5, 0.5, 0.5), "its standard deviation per channel", low=0,
                                              low_open=True)
         double_weight: bool = setting(False, "official: the hook squares the weights of training and statistics")
+
+    # the GPA statistics (per-class positive and negative gradient sums) stay on the client
+    sends = (sent(MODEL, "model", "the trained prompts and classifier"),) + Method.sends[1:]
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

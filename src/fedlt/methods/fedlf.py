@@ -88,6 +88,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, Method, load_weights, make_optimizer, train_local, weighted_average, weights_of
+from ..core.privacy import sent
 from ..core.training import autocast
 from ..decl import setting
 from ..registry import METHODS
@@ -218,6 +219,12 @@ class FedLF(Method):
     @dataclass
     class State(Method.State):
         centres: torch.Tensor | None = None  # [C, d] global class centres (None: in the warm-up, or loss=distance)
+
+    sends = Method.sends + (
+        sent("fedlf.centres", "class-means", "the client's class centres: its mean feature of each class over the "
+             "last local epoch, [C, d] (zero rows for the classes it lacks; loss=centres)"),
+        sent("fedlf.held", "class-counts", "which classes the client holds, [C] bool (loss=centres)"),
+    )
 
     # ------------------------------------------------------------------ server
     def configure(self, state, rnd, cid):

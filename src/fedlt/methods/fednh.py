@@ -36,6 +36,7 @@ from torch import nn
 from ..core import Message, Predictor, derive_seed, load_weights, train_local, weighted_average, weights_of
 from ..core.etf import init_classifier
 from ..core.personal import personal_predictor
+from ..core.privacy import sent
 from ..core.retrain import local_features
 from ..decl import setting
 from ..models import Model
@@ -82,6 +83,12 @@ class FedNH(FedAvg):
         scale: float = setting(20.0, "initial s", low=0, low_open=True)
         fix_scale: bool = setting(False, "official FedNH_fix_scaling: s fixed at 30")
         weighting: str = setting("samples", "samples (n_k) | uniform (official)", choices=("samples", "uniform"))
+
+    sends = FedAvg.sends + (
+        sent("nh.proto", "class-means", "per-class prototypes: its count times the normalised mean of the "
+             "normalised features of each class, [C, d]"),
+        sent("nh.count", "class-counts", "the client's class counts, [C]"),
+    )
 
     def new_model(self) -> Model:
         base = super().new_model()

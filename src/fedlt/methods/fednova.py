@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core import Message, load_weights, train_local, weighted_average, weights_of
+from ..core.privacy import sent
 from ..core.server_opt import ParamKeys, server_step
 from ..core.training import effective_steps
 from ..decl import setting
@@ -42,6 +43,10 @@ class FedNova(ParamKeys, FedAvg):
     @dataclass
     class Params:
         normalize_momentum: bool = setting(True, "||a_i||_1 counts local momentum (paper, official); false: tau_i")
+
+    sends = FedAvg.sends[:2] + (
+        sent("a_norm", "scalars", "||a_i||_1, the weight of its local steps (their count, with momentum)", meta=True),
+    ) + FedAvg.sends[2:]
 
     def local_train(self, payload, cstate, data, gen):
         net = self.net

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.personal import PartialSharing
+from ..core.privacy import MODEL, sent
 from ..models import head_keys
 from ..registry import METHODS
 
@@ -26,6 +27,8 @@ class FedPer(PartialSharing):
     @dataclass
     class Params:
         pass
+
+    sends = (sent(MODEL, "model", "the trained body (the head never leaves the client)"),) + PartialSharing.sends[1:]
 
     def local_keys(self, model):
         return head_keys(model)

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, load_weights, make_optimizer, train_local, weighted_average, weights_of
+from ..core.privacy import sent
 from ..decl import setting
 from ..registry import METHODS
 from .fedavg import FedAvg
@@ -138,6 +139,11 @@ class FedYoYo(FedAvg):
         prior: torch.Tensor | None = None  # pi [C], the class prior sent to the clients (uniform at first)
         eff: torch.Tensor | None = None  # E [C], the (smoothed) dispersion estimate pi is formed from
         estimates: int = 0  # how many estimates E has been formed from so far
+
+    sends = FedAvg.sends + (
+        sent("yoyo.eff", "class-counts", "per-class effective counts from the dispersion of its features under the "
+             "received model, [C] (zero for the classes it lacks): the global prior's estimate"),
+    )
 
     # ------------------------------------------------------------------ server
     def init_server(self) -> "FedYoYo.State":

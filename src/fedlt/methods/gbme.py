@@ -77,6 +77,7 @@ from torch import nn
 
 from ..core import LocalSteps, Message, Method, derive_seed, weighted_average
 from ..core.losses import log_prior
+from ..core.privacy import sent
 from ..decl import setting
 from ..registry import METHODS
 
@@ -159,6 +160,12 @@ class GBME(Method):
     class State(Method.State):
         proxy: torch.Tensor | None = None  # [K, C] each client's estimated class counts (rows of unknown clients: 0)
         known: torch.Tensor | None = None  # [K] bool: the clients whose counts were estimated
+
+    # the proxy of the client's class counts is read by the server from its first classifier update (the model)
+    sends = Method.sends + (
+        sent("mode", "echo", "the round's mode the server sent (estimate, joint, expert)", meta=True),
+        sent("experts", "echo", "the experts it trained, from the server's mask (a list of expert ids)", meta=True),
+    )
 
     # ------------------------------------------------------------------ model
     def new_model(self):

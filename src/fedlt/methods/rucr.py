@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, ce_loss, load_weights, train_local, weighted_average, weights_of
+from ..core.privacy import sent
 from ..core.retrain import local_features, retrain_head, retrained_head_modes
 from ..decl import setting
 from ..errors import ConfigError
@@ -106,6 +107,18 @@ class RUCR(FedAvg):
         norm_means: torch.Tensor | None = None  # rucr-stats phase: normalised global class means
         norm_known: torch.Tensor | None = None  # rucr-stats phase: classes some client holds
         retrained: dict[str, torch.Tensor] | None = None  # rucr-crt phase: the averaged re-trained head
+
+    sends = FedAvg.sends + (
+        sent("rucr.mean", "class-means", "its per-class feature means under the received model, [C, d]"),
+        sent("rucr.count", "class-counts", "the client's class counts, [C]"),
+        sent("rucr.mean", "class-means", "its normalised per-class feature means under the final model, [C, d]",
+             when="rucr-stats"),
+        sent("rucr.count", "class-counts", "the client's class counts, [C]", when="rucr-stats"),
+        sent("num_examples", "size", "the number of training samples", meta=True, when="rucr-stats"),
+        sent("head.*", "model-part", "the classifier it re-trained on mixed-up features of its own samples",
+             when="rucr-crt"),
+        sent("num_examples", "size", "the number of training samples", meta=True, when="rucr-crt"),
+    )
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

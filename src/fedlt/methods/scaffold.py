@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, Meter, load_weights, train_local, weighted_average, weights_of
+from ..core.privacy import sent
 from ..core.server_opt import ParamKeys, pseudo_gradient, server_step
 from ..core.training import effective_steps
 from ..decl import setting
@@ -61,6 +62,11 @@ class Scaffold(ParamKeys, FedAvg):
     @dataclass
     class State(FedAvg.State):
         c: dict[str, torch.Tensor] | None = None  # the server control variate (one tensor per trainable parameter)
+
+    sends = FedAvg.sends + (
+        sent(C_UP + "*", "model", "Delta c_i: the change of its control variate, one per trainable parameter (a "
+             "model-sized update)"),
+    )
 
     def _zeros(self, weights) -> dict[str, torch.Tensor]:
         return {k: torch.zeros_like(weights[k]) for k in self.param_keys}

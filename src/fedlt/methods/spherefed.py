@@ -37,6 +37,7 @@ from torch import nn
 
 from ..core import EVALUATION, Message, Predictor, load_weights, make_optimizer, train_local, weights_of
 from ..core.etf import fixed_classifier
+from ..core.privacy import MODEL, sent
 from ..decl import setting
 from ..errors import ConfigError
 from ..models import backbone_keys
@@ -83,6 +84,15 @@ class SphereFed(FedAvg):
     @dataclass
     class State(FedAvg.State):
         calibrated_head: torch.Tensor | None = None  # [C, d] the calibration phase's classifier (None: none yet)
+
+    sends = (sent(MODEL, "model", "the trained backbone (the fixed classifier never travels)"),) + \
+        FedAvg.sends[1:] + (
+        sent("hth", "class-moments", "A_k = H_k^T H_k, the second moment of its normalised features, [d, d]",
+             when=PHASE),
+        sent("hty", "class-means", "B_k = H_k^T Y_k, the per-class sums of its normalised features, [d, C]",
+             when=PHASE),
+        sent("num_examples", "size", "the number of training samples", meta=True, when=PHASE),
+    )
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

@@ -1,7 +1,7 @@
 """One run and its directory: from a RunConfig to a finished run. Build data, model spec and method
 (:func:`prepare`), drive the engine, and write the run directory -- the same for every engine
 (:func:`run_recorded`: resolved config, partition counts, metrics as JSON lines and the experiment trackers
-fed from them, checkpoints and resume, summary, final weights). Beside it: :mod:`fedlt.runner.runstate` (the files), :mod:`fedlt.runner.divergence` (the check that
+fed from them, what left the clients (``sent.jsonl``), checkpoints and resume, summary, final weights). Beside it: :mod:`fedlt.runner.runstate` (the files), :mod:`fedlt.runner.divergence` (the check that
 stops a diverged run), :mod:`fedlt.runner.preempt` (a scheduler's signal). Many runs are :mod:`fedlt.experiments`.
 
 Everything that can fail on bad input (names, settings, missing or corrupt data) fails in :func:`prepare`,
@@ -21,6 +21,7 @@ import torch
 
 from ..config import RunConfig, name_part
 from ..core.method import Method, RunSpec
+from ..core.privacy import SentLog
 from ..core.state import tree_of
 from ..data import Federation, build_federation
 from ..data.partition import partition_settings
@@ -206,9 +207,10 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
                  **extra) -> dict:
     """Run ``driver`` (:class:`fedlt.engine.driver.Driver`, over any transport) and keep its run directory
     ``out``, the same for every engine: ``config.json`` (``config``, with ``labels``), ``partition.json``,
-    ``metrics.jsonl``, a checkpoint every ``checkpoint_every`` rounds and after the last, the resumption from
-    one (``resume``), the divergence check, ``final_state.safetensors`` and ``summary.json`` (with ``extra``),
-    written last. The caller holds the run directory's lock."""
+    ``metrics.jsonl``, ``sent.jsonl`` (what left the clients: :class:`fedlt.core.privacy.SentLog`), a checkpoint
+    every ``checkpoint_every`` rounds and after the last, the resumption from one (``resume``), the divergence
+    check, ``final_state.safetensors`` and ``summary.json`` (with ``extra``), written last. The caller holds the
+    run directory's lock."""
     from .divergence import DivergenceCheck
     from .preempt import Preempted, deferred, run_stopped
     from .runstate import (MetricsLog, head_like, load_checkpoint, remove_checkpoints,
@@ -248,6 +250,9 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
         (cfg.name or out.name, Path(cfg.out))
     tracked = Trackers.start(active(cfg.tracker), out, name, root, config, driver.history, resumed=ck is not None)
     driver.log = log = MetricsLog(out, driver.history, tracked)
+    # sent.jsonl: what left the clients, per exchange and declared item (core.privacy); a resumed run appends
+    sent = SentLog(out, driver.method, echo, resumed_after=ck["sim"]["round"] if ck is not None else None)
+    driver.on_replies.append(sent)
     C = fed.num_classes
     heads: dict = {}
     saved = {"round": ck["sim"]["round"] if ck is not None else None}
@@ -274,6 +279,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     except Diverged as e:
         log({**e.record, "diverged": e.reason})
         log.close()
+        sent.close()
         kept = (f"; its last good checkpoint (round {saved['round']}) is kept" if saved["round"] is not None
                 else "")
         err = diverged_error(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, e, check.advice(),
@@ -282,14 +288,20 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
         raise err from None
     except Preempted as e:  # a scheduler's signal: the last completed round's checkpoint is on disk
         log.close()
+        sent.close()
         tracked.finish("KILLED", files=())
         raise e.stopped(run_stopped(out, cfg.name, len(driver.history) + 1, cfg.rounds, saved["round"]))
     log.close()
+    sent.close()
     summary = run_summary(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, final, **extra)
     if ck is not None:
         summary["resumed_after_round"] = ck["sim"]["round"]
     if check.first is not None:
         summary["diverged_continued"] = check.first  # --on-diverge continue: round and reason
+    if getattr(driver, "dp", None) is not None:  # --dp client: the privacy loss and the accountant's inputs
+        summary["dp"] = driver.dp.table(driver.round)
+    if getattr(driver, "stopped", None):
+        summary["stopped"] = driver.stopped  # --dp-budget: training ended before its last round
     save_final_state(out, tree_of(driver.state), {"server": head_like(tree_of(driver.state), C), **heads,
                                          "clients": client_heads(driver.transport, fed, C)})
     write_json(out / "summary.json", summary)
@@ -349,4 +361,9 @@ def format_summary(summary: dict) -> str:
     b = summary["bytes_per_round_per_client"]
     lines.append(f"communication per client per round: up {b['up'] / 1e6:.3f} MB, down {b['down'] / 1e6:.3f} MB; "
                  f"wall time {summary['wall_time']:.1f} s")
+    if "dp" in summary:
+        d = summary["dp"]
+        lines.append(f"privacy: client-level ({d['epsilon']:.3g}, {d['delta']:.3g})-DP after {d['rounds']} rounds "
+                     f"(noise multiplier {d['noise_multiplier']:.3g}, clip {d['clip']:g}, sampling rate "
+                     f"{d['sample_rate']:.3g}; summary.json's dp table has the accountant's inputs)")
     return "\n".join(lines)

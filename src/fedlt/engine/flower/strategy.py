@@ -70,6 +70,9 @@ class FedltStrategy(Strategy):
         if getattr(cls, "needs_pool", False):
             raise ConfigError(f"method {cfg.method} trains on all clients' data pooled in one place, which a "
                               f"federation of SuperNodes does not have; run it with `fedlt run`")
+        if cfg.dp != "off":  # the clipping belongs on the SuperNodes, which do not do it yet (issue 43)
+            raise ConfigError("--dp client runs in the simulator (`fedlt run`) for now: on Flower the clients' "
+                              "updates would reach the server unclipped; drop --dp or use `fedlt run`")
         self.method: Method = cls(self.spec, cls.make_params(cfg.params, cfg.allow_large))
         self.job = job_text(cfg, self.spec, self.prep)
         self.transport = GridTransport(self)

@@ -1,0 +1,201 @@
+"""Client-level differential privacy: DP-FedAvg (McMahan, Ramage, Talwar and Zhang, ICLR 2018), ``--dp client``.
+
+Every round the server samples each client independently with probability ``q`` (Poisson sampling: the
+sampling the accountant assumes; ``q`` = the run's clients per round / its clients, so a round trains ``q K``
+clients on average, not exactly). A sampled client trains as its method says, then, before its reply leaves it:
+
+- its update ``Delta = w_client - w_received`` (every floating-point entry of the model it received and sends
+  back) is clipped to L2 norm ``C`` (``--dp-clip``): ``Delta * min(1, C / ||Delta||)``;
+- its integer entries (BatchNorm's ``num_batches_tracked``: a count of its steps, so of its data) go back as
+  received, and its statistics (losses, steps, the number of its samples) are not sent: every client weighs 1.
+
+The server adds Gaussian noise to the sum of the clipped updates, ``N(0, (z C)^2 I)`` (``z``: ``--dp-noise``, or
+solved from ``--dp-epsilon``), and divides by the fixed denominator ``q K`` (McMahan et al.'s estimator
+``f_f``: the sensitivity of the sum to one client is ``C`` whatever the round's count; uniform weights, as theirs
+when every client's weight is bounded by 1). The method's own aggregation then sees replies whose uniform mean
+is exactly ``w + (sum Delta_i + noise) / (q K)``, so any method whose server takes a mean of the model's
+entries (FedAvg, FedProx, FedAvgM, FedAdam, ...) runs unchanged.
+
+The privacy loss: the RDP accountant of Google's ``dp-accounting`` library (the one Flower's DP uses), composing
+one ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` per round, add/remove-one-client adjacency, converted to
+``(epsilon, delta)``. The summary's ``dp`` table holds every input, so anyone can recompute it with the same
+library (:func:`epsilon`).
+
+What the guarantee covers: the model update and nothing else. A method whose clients also send anything else
+(class counts, prototypes, features: ``Method.sends``) is refused with one line naming what would leave
+unprotected (:func:`unprotected`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+# integer RDP orders (fractional ones make dp-accounting's series fail to converge at large sampling rates)
+ORDERS = tuple(range(2, 256)) + (256, 512, 1024)
+ALLOWED = ("model", "size", "scalars")  # what a client sends that --dp client covers (the update) or drops
+
+
+def require() -> Any:
+    """The dp-accounting package, or a one-line error that says how to install it."""
+    try:
+        import dp_accounting
+        from dp_accounting import rdp  # noqa: F401
+    except ImportError:
+        raise ConfigError("--dp needs the dp-accounting package (its RDP accountant): pip install "
+                          "'fedlt[privacy]'") from None
+    return dp_accounting
+
+
+def epsilon(noise: float, rate: float, rounds: int, delta: float) -> float:
+    """The epsilon after ``rounds`` rounds of Poisson-sampled (``rate``) Gaussian noise of multiplier ``noise``,
+    for ``delta``: dp-accounting's RdpAccountant over :data:`ORDERS`. 0 rounds: 0."""
+    if rounds <= 0:
+        return 0.0
+    dpa = require()
+    from dp_accounting import rdp
+
+    acc = rdp.RdpAccountant(list(ORDERS))
+    acc.compose(dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(noise)), int(rounds))
+    return float(acc.get_epsilon(delta))
+
+
+def noise_for(target: float, rate: float, rounds: int, delta: float) -> float:
+    """The smallest noise multiplier (to 0.1 %) whose epsilon after ``rounds`` rounds is at most ``target``."""
+    lo, hi = 0.0, 1.0
+    while epsilon(hi, rate, rounds, delta) > target:
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {rounds} rounds at sampling rate "
+                              f"{rate:g}: raise it, or train fewer rounds or fewer clients a round")
+    while hi - lo > 1e-3 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if epsilon(mid, rate, rounds, delta) > target else (lo, mid)
+    return hi
+
+
+def unprotected(sends) -> list[str]:
+    """What a method's clients send (its ``sends`` declaration) that the client-level guarantee would not
+    cover: in the rounds, every declared item of another category than the model, its size and its statistics
+    (the update is clipped and noised, the rest is not sent); in a post-training phase, everything."""
+    return [f"{s.name} ({s.category}{', phase ' + s.when if s.when != 'rounds' else ''})" for s in sends
+            if s.category not in ALLOWED or s.when != "rounds"]
+
+
+def clip_reply(payload_arrays: dict[str, torch.Tensor], arrays: dict[str, torch.Tensor], clip: float,
+               who: str) -> tuple[dict[str, torch.Tensor], float]:
+    """A client's reply arrays with its update clipped to L2 norm ``clip`` (over every floating-point entry it
+    received and sends back) and its other entries as received; and the update's norm before clipping. An entry
+    it sends that it did not receive is a one-line error (its update has no reference)."""
+    extra = sorted(set(arrays) - set(payload_arrays))
+    if extra:
+        raise ConfigError(f"--dp client: {who} sends {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, "
+                          f"which it did not receive: its update cannot be clipped; this method cannot run under "
+                          f"--dp client")
+    keys = [k for k in arrays if arrays[k].is_floating_point()]
+    deltas = {k: arrays[k].to(torch.float64) - payload_arrays[k].to(torch.float64) for k in keys}
+    norm = math.sqrt(sum(float((d * d).sum()) for d in deltas.values()))
+    scale = min(1.0, clip / norm) if norm > 0 else 1.0
+    out = {k: (payload_arrays[k] if k not in deltas else
+               (payload_arrays[k].to(torch.float64) + deltas[k] * scale).to(arrays[k].dtype)) for k in arrays}
+    return out, norm
+
+
+def noised_replies(payloads: dict[int, Any], clipped: dict[int, dict[str, torch.Tensor]], noise: float,
+                   clip: float, denominator: float, gen: torch.Generator) -> dict[int, dict[str, torch.Tensor]]:
+    """The replies' arrays rewritten so that their uniform mean is ``w + (sum of the clipped updates + N(0,
+    (noise clip)^2 I)) / denominator`` (``w``: what each received; the noise drawn once for the round from
+    ``gen``, shared out equally between the replies). Integer entries stay as received."""
+    m = len(clipped)
+    if m == 0:
+        return {}
+    first = next(iter(clipped))
+    keys = [k for k, v in clipped[first].items() if v.is_floating_point()]
+    draw = {k: torch.randn(clipped[first][k].shape, generator=gen, dtype=torch.float64) * (noise * clip)
+            for k in keys}
+    out = {}
+    for cid, arrays in clipped.items():
+        base = payloads[cid].arrays
+        row = dict(arrays)
+        for k in keys:
+            delta = arrays[k].to(torch.float64) - base[k].to(torch.float64)
+            row[k] = (base[k].to(torch.float64) + (m / denominator) * (delta + draw[k].to(delta.device) / m)
+                      ).to(arrays[k].dtype)
+        out[cid] = row
+    return out
+
+
+class ClientDP:
+    """The run's client-level DP (``--dp client``): the clipping each client applies to its reply, the noise the
+    server adds, the sampling rate, and the accountant's epsilon after each round (a function of the rounds
+    done, so a resumed run continues it exactly)."""
+
+    def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
+                 budget: float | None, population: int, per_round: int, rounds: int):
+        require()
+        self.clip, self.population, self.rounds = float(clip), int(population), int(rounds)
+        self.rate = per_round / population
+        self.delta = float(delta) if delta is not None else 1.0 / population ** 1.1
+        self.noise = float(noise) if noise is not None else noise_for(target, self.rate, rounds, self.delta)
+        self.target, self.budget = target, budget
+        self.denominator = self.rate * population  # McMahan et al.'s fixed denominator qW (uniform weights)
+        self.bases: dict[int, dict] = {}
+        self.norms: list[float] = []
+
+    def client_side(self, payloads: dict, replies: list) -> list:
+        """Each reply as its client sends it under DP: the update clipped, integer entries as received, only
+        ``num_examples`` 1 in its meta (every client weighs 1; its statistics stay with it)."""
+        from .method import Message
+
+        self.bases, self.norms = {}, []
+        out = []
+        for cid, reply in replies:
+            base = payloads[cid].arrays
+            arrays, norm = clip_reply(base, reply.arrays, self.clip, f"client {cid}")
+            self.bases[cid], _ = base, self.norms.append(norm)
+            out.append((cid, Message(arrays, {"num_examples": 1})))
+        return out
+
+    def server_side(self, replies: list, gen: torch.Generator) -> list:
+        """The replies whose uniform mean is the received model plus the noised sum of the clipped updates over
+        the fixed denominator."""
+        from .method import Message
+
+        rows = noised_replies({c: Message(self.bases[c]) for c, _ in replies}, {c: r.arrays for c, r in replies},
+                              self.noise, self.clip, self.denominator, gen)
+        return [(c, Message(rows[c], r.meta)) for c, r in replies]
+
+    def epsilon(self, rounds: int) -> float:
+        return epsilon(self.noise, self.rate, rounds, self.delta)
+
+    def over_budget(self, rnd: int) -> str | None:
+        """Why round ``rnd`` may not run (its epsilon would pass ``--dp-budget``), or None."""
+        if self.budget is None:
+            return None
+        eps = self.epsilon(rnd)
+        if eps <= self.budget:
+            return None
+        return (f"stopped before round {rnd}: its epsilon {eps:.3g} would pass --dp-budget {self.budget:g} "
+                f"(epsilon after round {rnd - 1}: {self.epsilon(rnd - 1):.3g})")
+
+    def record(self) -> dict:
+        """The round's DP fields of metrics.jsonl: how many updates were clipped, their median norm."""
+        n = len(self.norms)
+        return {"dp_clipped": sum(x > self.clip for x in self.norms) / n if n else 0.0,
+                "dp_update_norm": float(sorted(self.norms)[n // 2]) if n else None}
+
+    def table(self, rounds: int) -> dict:
+        """summary.json's ``dp``: the privacy loss and every input of the accountant, to recompute it."""
+        from importlib.metadata import version
+
+        return {"epsilon": self.epsilon(rounds), "delta": self.delta, "noise_multiplier": self.noise,
+                "sample_rate": self.rate, "rounds": rounds, "scheme": "poisson", "population": self.population,
+                "expected_per_round": self.denominator, "clip": self.clip,
+                "weighting": "uniform (every client 1), fixed denominator sample_rate x population",
+                "adjacency": "add or remove one client", "target_epsilon": self.target,
+                "accountant": f"dp-accounting {version('dp-accounting')} rdp.RdpAccountant (orders 2-255, 256, "
+                              f"512, 1024), PoissonSampledDpEvent(sample_rate, GaussianDpEvent(noise_multiplier)) "
+                              f"composed rounds times, get_epsilon(delta)"}

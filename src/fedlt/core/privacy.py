@@ -1,0 +1,340 @@
+"""What leaves the client: every array and meta value a method's clients send, declared beside the method and
+checked against what they actually send.
+
+A method declares ``sends`` (:class:`Sent` entries, one per thing its clients send, in the training rounds and in
+each post-training phase), each with a category from :data:`CATEGORIES` that says what it reveals about the
+client's data. :func:`classify` matches a client's reply to the declaration, item by item; the run driver hands
+every exchange's replies to :func:`sends_check` (``FEDLT_CHECK_SENDS=1``: an undeclared item stops the run with
+one line; the test suite sets it) and the run directory records what left the clients in ``sent.jsonl``
+(:class:`SentLog`). ``fedlt list METHOD`` and the generated page ``docs/privacy.md`` show the declarations.
+"""
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from numbers import Number
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+# name -> what it reveals about the client's data; keep short, one line each
+CATEGORIES: dict[str, str] = {
+    "model": "a model or an update of one (weights, buffers, deltas, control variates): what training on the "
+             "client's data made of it -- open to membership inference and gradient inversion",
+    "model-part": "a part of the model trained apart (a head, a classifier): the same, for that part; a "
+                  "classifier's rows are shaped by the client's classes",
+    "size": "the number of training samples the client holds",
+    "scalars": "training statistics: losses and their parts, step counts, norms -- a number or a few each",
+    "class-counts": "per-class counts, or which classes the client holds: its label distribution",
+    "class-means": "per-class means or sums of features (prototypes, centres): a summary of the client's samples "
+                   "of each class, and which classes it holds",
+    "class-moments": "covariances, variances or second moments of the client's features (per class, or over all "
+                     "its samples): their spread, on top of the means",
+    "class-gradients": "per-class gradients of a loss on the client's samples of each class: what gradient "
+                       "inversion works on, class by class",
+    "features": "features of the client's samples or a statistic of them (a mean feature), or synthetic samples",
+    "echo": "a value the server sent, returned (a mode, which experts trained): nothing about the client's data",
+}
+
+MODEL = "<model>"  # stands for any entry of the method's model state dict (``method.net.state_dict()`` keys)
+ROUNDS = "rounds"  # a Sent's ``when``: the training rounds (else a phase's name, or "*": every exchange)
+ANY = "*"
+ENV = "FEDLT_CHECK_SENDS"  # "1": an undeclared item stops the run (tests, development)
+UNDECLARED = "undeclared"
+DOC = "docs/privacy.md"
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One thing a method's clients send: ``name``, an fnmatch pattern of an array name (or :data:`MODEL`: any
+    entry of the model's state dict) or of a meta key (``meta``); its ``category`` (:data:`CATEGORIES`) and in
+    words ``what`` it is; ``when``: ``"rounds"`` (the training rounds), a post-training phase's name, or ``"*"``;
+    ``numbers_only``: a meta pattern that matches only numbers (int, float, bool: losses and their parts)."""
+
+    name: str
+    category: str
+    what: str
+    meta: bool = False
+    when: str = ROUNDS
+    numbers_only: bool = False
+
+    def __post_init__(self):
+        if self.category not in CATEGORIES:
+            raise ValueError(f"Sent {self.name!r}: category {self.category!r} is none of "
+                             f"{', '.join(CATEGORIES)} (fedlt.core.privacy.CATEGORIES)")
+        if self.numbers_only and not self.meta:
+            raise ValueError(f"Sent {self.name!r}: numbers_only applies to meta values (meta=True)")
+        if self.name == MODEL and self.meta:
+            raise ValueError(f"Sent {MODEL}: the model's entries are arrays, not meta values")
+
+    def applies(self, exchange: str) -> bool:
+        return self.when in (ANY, exchange)
+
+    @property
+    def kind(self) -> str:
+        return "meta" if self.meta else "array"
+
+
+def sent(name: str, category: str, what: str, *, meta: bool = False, when: str = ROUNDS,
+         numbers_only: bool = False) -> Sent:
+    """A :class:`Sent` (its category checked against :data:`CATEGORIES`)."""
+    return Sent(name, category, what, meta, when, numbers_only)
+
+
+def class_gaussian_sends(prefix: str, when: str, backbone: str) -> tuple[Sent, ...]:
+    """What a client sends for a phase that fits the server a Gaussian per class of its features (CCVR's
+    calibration, DFL-FS's regeneration; ``fedlt.core.retrain.class_gaussians`` computes them): the classes it
+    holds, their counts, means and covariances under ``backbone``, and its size -- under ``prefix.classes`` /
+    ``.count`` / ``.mean`` / ``.cov``."""
+    return (
+        sent(f"{prefix}.classes", "class-counts", "the classes the client holds, [|C_k|] class ids", when=when),
+        sent(f"{prefix}.count", "class-counts", "its number of samples of each held class, [|C_k|]", when=when),
+        sent(f"{prefix}.mean", "class-means", f"its per-class feature means under {backbone}, [|C_k|, d]", when=when),
+        sent(f"{prefix}.cov", "class-moments", "its per-class feature covariances, [|C_k|, d, d]", when=when),
+        sent("num_examples", "size", "the number of training samples", meta=True, when=when),
+    )
+
+
+def check_declaration(cls) -> None:
+    """A method class's ``sends`` is a tuple of :class:`Sent` (a TypeError naming the class, when the class is
+    defined). Whether each ``when`` names one of its phases is the disclosure test's (``tests/test_sends.py``):
+    some methods choose their phases from their parameters."""
+    sends = getattr(cls, "sends", ())
+    if not isinstance(sends, tuple) or not all(isinstance(s, Sent) for s in sends):
+        raise TypeError(f"{cls.__qualname__}.sends must be a tuple of fedlt.core.privacy.Sent "
+                        f"(fedlt.core.privacy.sent(...))")
+
+
+# ------------------------------------------------------------------------------------------------ matching
+def exchange_of(kind: str) -> str:
+    """The driver's exchange ``kind`` ("train", or a phase's name) as a Sent's ``when``."""
+    return ROUNDS if kind == "train" else kind
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (Number, np.number, np.bool_)) and not isinstance(v, (complex, np.complexfloating))
+
+
+def shape_of(v: Any) -> list[int]:
+    """An array's shape; a meta value's: a tensor's or array's, a list's length, [] for a scalar."""
+    if isinstance(v, (torch.Tensor, np.ndarray)):
+        return list(v.shape)
+    if isinstance(v, (list, tuple)):
+        return [len(v)]
+    if isinstance(v, dict):
+        return [len(v)]
+    return []
+
+
+def bytes_of(v: Any) -> int:
+    """An array's size in bytes; a meta value's, as it crosses (a number 8, a bool 1, text its UTF-8 bytes)."""
+    if isinstance(v, torch.Tensor):
+        return int(v.numel() * v.element_size())
+    if isinstance(v, np.ndarray):
+        return int(v.nbytes)
+    if isinstance(v, (bool, np.bool_)):
+        return 1
+    if isinstance(v, (Number, np.number)):
+        return 8
+    if isinstance(v, str):
+        return len(v.encode())
+    if isinstance(v, (list, tuple)):
+        return sum(bytes_of(x) for x in v)
+    if isinstance(v, dict):
+        return sum(bytes_of(k) + bytes_of(x) for k, x in v.items())
+    return 0
+
+
+class Declared:
+    """A method's declaration, ready to match replies: the model's state-dict keys (computed once, when first
+    needed) and each (exchange, kind, name, number?) looked up once."""
+
+    def __init__(self, method):
+        self.method = method
+        self.sends: tuple[Sent, ...] = tuple(getattr(type(method), "sends", ()))
+        self._model: frozenset[str] | None = None
+        self._cache: dict[tuple, Sent | None] = {}
+
+    @property
+    def model_keys(self) -> frozenset[str]:
+        if self._model is None:
+            self._model = frozenset(self.method.net.state_dict().keys())
+        return self._model
+
+    def match(self, exchange: str, name: str, meta: bool, value: Any = None) -> Sent | None:
+        """The first declared Sent that applies to ``name`` (an array, or a meta key with ``value``) sent in
+        ``exchange``; None: undeclared."""
+        number = meta and is_number(value)
+        key = (exchange, meta, name, number)
+        if key not in self._cache:
+            self._cache[key] = next((s for s in self.sends if s.meta == meta and s.applies(exchange)
+                                     and (number or not s.numbers_only) and self._named(s, name)), None)
+        return self._cache[key]
+
+    def _named(self, s: Sent, name: str) -> bool:
+        return name in self.model_keys if s.name == MODEL else fnmatchcase(name, s.name)
+
+
+_DECLARED: "weakref.WeakKeyDictionary[Any, Declared]" = weakref.WeakKeyDictionary()
+
+
+def declared(method) -> Declared:
+    d = _DECLARED.get(method)
+    if d is None:
+        d = _DECLARED[method] = Declared(method)
+    return d
+
+
+def classify(method, exchange: str, message) -> list[dict]:
+    """Every array and meta value of one client's reply ``message`` in ``exchange`` ("rounds" or a phase's name),
+    matched to the first declared :class:`Sent` of ``method.sends`` that applies: rows {"name", "kind" (array or
+    meta), "shape", "bytes", "category", "declared" (the Sent's name)}; an undeclared item has category
+    "undeclared" and declared None."""
+    d = declared(method)
+    rows = []
+    for kind, items in (("array", message.arrays), ("meta", message.meta)):
+        for name, v in items.items():
+            s = d.match(exchange, name, kind == "meta", v)
+            rows.append({"name": name, "kind": kind, "shape": shape_of(v), "bytes": bytes_of(v),
+                         "category": s.category if s else UNDECLARED, "declared": s.name if s else None})
+    return rows
+
+
+def where(kind: str, index: int) -> str:
+    return f"round {index}" if kind == "train" else f"phase {kind!r}"
+
+
+def undeclared_error(method, cid: int, kind: str, index: int, row: dict) -> ConfigError:
+    what = f"an array {row['shape']}" if row["kind"] == "array" else \
+        f"a meta value {row['shape']}" if row["shape"] else "a meta value"
+    cls = type(method).__name__
+    return ConfigError(f"method {method.name}'s client {cid} sent {row['name']!r} ({what}) in {where(kind, index)}, "
+                       f"which {cls}.sends does not declare: add a Sent for it ({DOC})")
+
+
+def strict() -> bool:
+    return os.environ.get(ENV, "") not in ("", "0")
+
+
+def sends_check(method) -> Callable[[str, int, list], None]:
+    """The run driver's first ``on_replies`` hook: with ``FEDLT_CHECK_SENDS=1`` in the environment (the test
+    suite sets it), an item of a reply that ``method.sends`` does not declare stops the run with one line (a
+    ConfigError); otherwise nothing (the run directory's :class:`SentLog` records it and says so once)."""
+    if not strict():
+        return lambda kind, index, replies: None
+
+    def check(kind: str, index: int, replies: list) -> None:
+        d = declared(method)
+        ex = exchange_of(kind)
+        for cid, msg in replies:
+            for meta, items in ((False, msg.arrays), (True, msg.meta)):
+                for name, v in items.items():
+                    if d.match(ex, name, meta, v) is None:
+                        row = {"name": name, "kind": "meta" if meta else "array", "shape": shape_of(v)}
+                        raise undeclared_error(method, cid, kind, index, row)
+
+    return check
+
+
+# ------------------------------------------------------------------------------------------------ the record
+SENT = "sent.jsonl"
+
+
+def summarise(method, kind: str, index: int, replies: list) -> list[dict]:
+    """One exchange's replies as rows, one per declared item (an undeclared one: per name): {"round": r} or
+    {"phase": name}, "sent" (the Sent's name), "category", "arrays" or "values" (how many one client sent; the
+    most, where clients differ), "shape" (of one client's, when it sent one and all agree), "bytes" (summed over
+    the clients), "clients" (how many sent it)."""
+    ex = exchange_of(kind)
+    groups: dict[tuple, dict] = {}
+    for _, msg in replies:
+        per: dict[tuple, list] = {}
+        for r in classify(method, ex, msg):
+            key = (r["declared"] or r["name"], r["kind"], r["category"])
+            per.setdefault(key, []).append(r)
+        for key, rows in per.items():
+            g = groups.setdefault(key, {"n": 0, "bytes": 0, "clients": 0, "shapes": set()})
+            g["n"] = max(g["n"], len(rows))
+            g["bytes"] += sum(r["bytes"] for r in rows)
+            g["clients"] += 1
+            g["shapes"].add(tuple(rows[0]["shape"]) if len(rows) == 1 else None)
+    at = {"round": index} if kind == "train" else {"phase": kind}
+    out = []
+    for (name, k, cat), g in groups.items():
+        row = {**at, "sent": name, "category": cat, ("values" if k == "meta" else "arrays"): g["n"]}
+        if len(g["shapes"]) == 1 and None not in g["shapes"]:
+            row["shape"] = list(next(iter(g["shapes"])))
+        out += [{**row, "bytes": g["bytes"], "clients": g["clients"]}]
+    return out
+
+
+class SentLog:
+    """The run directory's ``sent.jsonl``: what left the clients, one row per declared item per exchange
+    (:func:`summarise`), appended as the replies arrive (a driver ``on_replies`` hook). A fresh run starts the
+    file empty; a resumed one (``resumed_after`` its checkpoint's round) keeps the rows of the rounds up to it and
+    appends after them (the rows of later rounds and of phases, which the resumed run repeats, are dropped).
+    An undeclared item is recorded ("undeclared") and ``echo`` says so once."""
+
+    def __init__(self, run_dir: Path, method, echo: Callable[[str], None] = print, resumed_after: int | None = None):
+        self.path = Path(run_dir) / SENT
+        self.method, self.echo, self.said = method, echo, False
+        if resumed_after is None or not self.path.is_file():
+            self.path.write_text("")
+        else:
+            lines = self.path.read_text().splitlines(keepends=True)
+            keep = [ln for ln in lines if _kept(ln, resumed_after)]
+            if len(keep) != len(lines):
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(keep))
+                os.replace(tmp, self.path)
+        self.file = open(self.path, "a", buffering=1)
+
+    def __call__(self, kind: str, index: int, replies: list) -> None:
+        rows = summarise(self.method, kind, index, replies)
+        for r in rows:
+            if r["category"] == UNDECLARED and not self.said:
+                self.said = True
+                self.echo(f"note: {self.method.name}'s clients sent {r['sent']!r} in {where(kind, index)}, which "
+                          f"{type(self.method).__name__}.sends does not declare: {SENT} records it as undeclared "
+                          f"(add a Sent for it, {DOC})")
+        self.file.write("".join(json.dumps(r) + "\n" for r in rows))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _kept(line: str, resumed_after: int) -> bool:
+    try:
+        row = json.loads(line)
+    except ValueError:  # a line cut by a kill
+        return False
+    return isinstance(row.get("round"), int) and row["round"] <= resumed_after
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def rows_of(cls) -> list[dict[str, str]]:
+    """A method class's declaration as table rows: when, name (array or meta), category, what."""
+    out = []
+    for s in getattr(cls, "sends", ()):
+        name = "the model's entries" if s.name == MODEL else s.name
+        kind = "meta" if s.meta else "arrays" if s.name == MODEL or any(c in s.name for c in "*?[") else "array"
+        if s.numbers_only:
+            kind += ", numbers"
+        out.append({"when": s.when, "name": name, "kind": kind, "category": s.category, "what": s.what})
+    return out
+
+
+def categories_of(cls, when: str | None = None) -> list[str]:
+    """The categories a method's clients send (in ``when``: "rounds", "phases" for any phase, or None: all), in
+    :data:`CATEGORIES`' order."""
+    sends = getattr(cls, "sends", ())
+    got = {s.category for s in sends if when is None or (s.when in (ROUNDS, ANY) if when == ROUNDS
+                                                         else s.when != ROUNDS)}
+    return [c for c in CATEGORIES if c in got]
