@@ -17,7 +17,8 @@ import torch
 
 from _common import simulation, timed
 
-from fedlt.engine.workers import Workers, available_cores  # noqa: E402
+from fedlt.config import available_cores  # noqa: E402
+from fedlt.engine.workers import Workers  # noqa: E402
 
 
 def cases(only):

@@ -15,7 +15,6 @@ import torch
 pytest.importorskip("dp_accounting")
 
 from fedlt.core.dp import ClientDP, clip_reply, noise_for, noised_replies  # noqa: E402
-from fedlt.core.method import Message  # noqa: E402
 from fedlt.runner import rundir  # noqa: E402
 
 from conftest import small_config  # noqa: E402
@@ -47,11 +46,11 @@ def test_the_replies_mean_is_the_noised_sum_over_the_fixed_denominator():
     w = {"a": torch.zeros(2000, dtype=torch.float32)}
     deltas = [torch.full((2000,), 0.01 * (i + 1)) for i in range(3)]
     clipped = {i: {"a": w["a"] + d} for i, d in enumerate(deltas)}
-    payloads = {i: Message(w) for i in clipped}
-    exact = noised_replies(payloads, clipped, 0.0, 1.0, 8.0, torch.Generator().manual_seed(1))
+    bases = {i: w for i in clipped}
+    exact = noised_replies(bases, clipped, 0.0, 1.0, 8.0, torch.Generator().manual_seed(1))
     mean = sum(r["a"] for r in exact.values()) / 3
     assert torch.allclose(mean, sum(deltas) / 8.0, atol=1e-6)  # (sum of updates) / (q K), not / 3
-    noisy = noised_replies(payloads, clipped, 2.0, 0.5, 8.0, torch.Generator().manual_seed(1))
+    noisy = noised_replies(bases, clipped, 2.0, 0.5, 8.0, torch.Generator().manual_seed(1))
     noise = sum(r["a"] for r in noisy.values()) / 3 - sum(deltas) / 8.0
     assert float(noise.std()) == pytest.approx(2.0 * 0.5 / 8.0, rel=0.05)  # z C / (q K)
     assert abs(float(noise.mean())) < 0.01

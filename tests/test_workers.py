@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fedlt.config import RunConfig
-from fedlt.engine.workers import Workers, available_cores
+from fedlt.config import RunConfig, available_cores
+from fedlt.engine.workers import Workers
 from fedlt.runner import rundir
 
 from conftest import method_test_params, small_config

@@ -117,10 +117,14 @@ def declared_in(cls: type, name: str, **changes: Any) -> Any:
     f = {g.name: g for g in dataclasses.fields(cls)}[name]
     decl = f.metadata["decl"]
     reads = tuple(dict.fromkeys(decl.reads + tuple(changes.pop("reads", ()))))
-    meta = {"decl": dataclasses.replace(decl, reads=reads, **changes)}
+    return _field_like(f, {"decl": dataclasses.replace(decl, reads=reads, **changes)})
+
+
+def _field_like(f: dataclasses.Field, metadata) -> Any:
+    """A new field with ``f``'s default (or default factory) and ``metadata``."""
     if f.default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=f.default_factory, metadata=meta)
-    return dataclasses.field(default=f.default, metadata=meta)
+        return dataclasses.field(default_factory=f.default_factory, metadata=metadata)
+    return dataclasses.field(default=f.default, metadata=metadata)
 
 
 def read_by(cls: type, part: str) -> dict[str, str]:
@@ -137,8 +141,8 @@ def read_by(cls: type, part: str) -> dict[str, str]:
 def reads_settings(source: type, part: str):
     """Class decorator: ``cls`` as a dataclass whose fields are first every setting of ``source`` that ``part``
     reads (:func:`read_by`; their defaults and declarations as declared there, never restated), then
-    ``cls``'s own annotated fields; ``cls.read(values)`` takes those settings' values from a ``source``
-    instance (each converted by its declaration)."""
+    ``cls``'s own annotated fields. :func:`settings_values` takes those settings' values from a ``source``
+    instance."""
 
     def wrap(cls: type) -> type:
         own = dataclass(cls)
@@ -146,10 +150,7 @@ def reads_settings(source: type, part: str):
         hints = typing.get_type_hints(source)
         fields = []
         for alias, name in read_by(source, part).items():
-            f = src[name]
-            kw = {"default_factory": f.default_factory} if f.default_factory is not dataclasses.MISSING else \
-                {"default": f.default}
-            fields.append((alias, hints[name], dataclasses.field(metadata=f.metadata, **kw)))
+            fields.append((alias, hints[name], _field_like(src[name], src[name].metadata)))
         fields += [(f.name, f.type, f) for f in dataclasses.fields(own)]
         ns = {k: v for k, v in cls.__dict__.items()
               if k not in ("__dict__", "__weakref__", "__dataclass_fields__", "__dataclass_params__", "__init__",

@@ -104,10 +104,11 @@ def clip_reply(payload_arrays: dict[str, torch.Tensor], arrays: dict[str, torch.
     return out, norm
 
 
-def noised_replies(payloads: dict[int, Any], clipped: dict[int, dict[str, torch.Tensor]], noise: float,
-                   clip: float, denominator: float, gen: torch.Generator) -> dict[int, dict[str, torch.Tensor]]:
+def noised_replies(bases: dict[int, dict[str, torch.Tensor]], clipped: dict[int, dict[str, torch.Tensor]],
+                   noise: float, clip: float, denominator: float,
+                   gen: torch.Generator) -> dict[int, dict[str, torch.Tensor]]:
     """The replies' arrays rewritten so that their uniform mean is ``w + (sum of the clipped updates + N(0,
-    (noise clip)^2 I)) / denominator`` (``w``: what each received; the noise drawn once for the round from
+    (noise clip)^2 I)) / denominator`` (``w``: what each received, ``bases``; the noise drawn once for the round from
     ``gen``, shared out equally between the replies). Integer entries stay as received."""
     m = len(clipped)
     if m == 0:
@@ -118,7 +119,7 @@ def noised_replies(payloads: dict[int, Any], clipped: dict[int, dict[str, torch.
             for k in keys}
     out = {}
     for cid, arrays in clipped.items():
-        base = payloads[cid].arrays
+        base = bases[cid]
         row = dict(arrays)
         for k in keys:
             delta = arrays[k].to(torch.float64) - base[k].to(torch.float64)
@@ -142,8 +143,9 @@ class ClientDP:
         self.noise = float(noise) if noise is not None else noise_for(target, self.rate, rounds, self.delta)
         self.target, self.budget = target, budget
         self.denominator = self.rate * population  # McMahan et al.'s fixed denominator qW (uniform weights)
-        self.bases: dict[int, dict] = {}
+        self.bases: dict[int, dict] = {}  # the round's replies' references: what each client received
         self.norms: list[float] = []
+        self._epsilons: dict[int, float] = {}  # by rounds done (the budget check and the round's record ask alike)
 
     def client_side(self, payloads: dict, replies: list) -> list:
         """Each reply as its client sends it under DP: the update clipped, integer entries as received, only
@@ -155,7 +157,8 @@ class ClientDP:
         for cid, reply in replies:
             base = payloads[cid].arrays
             arrays, norm = clip_reply(base, reply.arrays, self.clip, f"client {cid}")
-            self.bases[cid], _ = base, self.norms.append(norm)
+            self.bases[cid] = base
+            self.norms.append(norm)
             out.append((cid, Message(arrays, {"num_examples": 1})))
         return out
 
@@ -164,12 +167,14 @@ class ClientDP:
         the fixed denominator."""
         from .method import Message
 
-        rows = noised_replies({c: Message(self.bases[c]) for c, _ in replies}, {c: r.arrays for c, r in replies},
-                              self.noise, self.clip, self.denominator, gen)
+        rows = noised_replies(self.bases, {c: r.arrays for c, r in replies}, self.noise, self.clip, self.denominator,
+                              gen)
         return [(c, Message(rows[c], r.meta)) for c, r in replies]
 
     def epsilon(self, rounds: int) -> float:
-        return epsilon(self.noise, self.rate, rounds, self.delta)
+        if rounds not in self._epsilons:
+            self._epsilons[rounds] = epsilon(self.noise, self.rate, rounds, self.delta)
+        return self._epsilons[rounds]
 
     def over_budget(self, rnd: int) -> str | None:
         """Why round ``rnd`` may not run (its epsilon would pass ``--dp-budget``), or None."""

@@ -126,9 +126,7 @@ def shape_of(v: Any) -> list[int]:
     """An array's shape; a meta value's: a tensor's or array's, a list's length, [] for a scalar."""
     if isinstance(v, (torch.Tensor, np.ndarray)):
         return list(v.shape)
-    if isinstance(v, (list, tuple)):
-        return [len(v)]
-    if isinstance(v, dict):
+    if isinstance(v, (list, tuple, dict)):
         return [len(v)]
     return []
 
@@ -231,14 +229,10 @@ def sends_check(method) -> Callable[[str, int, list], None]:
         return lambda kind, index, replies: None
 
     def check(kind: str, index: int, replies: list) -> None:
-        d = declared(method)
-        ex = exchange_of(kind)
         for cid, msg in replies:
-            for meta, items in ((False, msg.arrays), (True, msg.meta)):
-                for name, v in items.items():
-                    if d.match(ex, name, meta, v) is None:
-                        row = {"name": name, "kind": "meta" if meta else "array", "shape": shape_of(v)}
-                        raise undeclared_error(method, cid, kind, index, row)
+            for row in classify(method, exchange_of(kind), msg):
+                if row["category"] == UNDECLARED:
+                    raise undeclared_error(method, cid, kind, index, row)
 
     return check
 

@@ -11,6 +11,20 @@ from .clientstate import ClientStates
 from .driver import PHASE, TRAIN, TRAINING, client_generator
 
 
+def client_hook(method: Method, seed: int, kind: str, index: int, cid: int, payload: Message, cstate: dict,
+                data) -> tuple[Message, dict]:
+    """One client's hook of an exchange (a round's ``local_train``, or a phase's ``phase_client``) with its
+    (purpose, index, client) generator, under the run's autocast: (reply, new client state). The in-process
+    engines and the worker processes (``engine.workers``) call it alike."""
+    if kind == TRAINING:
+        purpose, call = TRAIN, method.local_train
+    else:
+        purpose, call = PHASE, (lambda p, s, d, g: method.phase_client(kind, p, s, d, g))
+    gen = client_generator(seed, purpose, index, cid)
+    with autocast(method.spec):
+        return call(payload, cstate, data, gen)
+
+
 class InProcess:
     """The transport of clients in this process, one after another: the method's client hooks called
     directly on each client's data and state. The states of the clients that have trained stay here, in
@@ -49,17 +63,11 @@ class InProcess:
         self.client_states.tag = index if kind == TRAINING else self.round + 1 + index
 
     def send_and_receive(self, kind: str, index: int, payloads: dict[int, Message]):
-        m = self.method
         self._tag(kind, index)
-        if kind == TRAINING:
-            purpose, call = TRAIN, m.local_train
-        else:
-            purpose, call = PHASE, (lambda p, s, d, g: m.phase_client(kind, p, s, d, g))
         replies = []
         for cid, payload in payloads.items():
-            gen = client_generator(self.seed, purpose, index, cid)
-            with autocast(m.spec):
-                reply, cstate = call(payload, self.client_state(cid), self.fed.clients[cid], gen)
+            reply, cstate = client_hook(self.method, self.seed, kind, index, cid, payload, self.client_state(cid),
+                                        self.fed.clients[cid])
             self.keep(cid, cstate)
             replies.append((cid, reply))
         return replies, {}

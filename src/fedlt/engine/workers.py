@@ -31,13 +31,11 @@ from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
-from ..config import available_cores  # noqa: F401 (the benchmark and the tests read it here)
 from ..core.method import Message, Method
-from ..core.training import autocast
 from ..errors import FedltError
 from .clientstate import ClientStates
-from .driver import PHASE, TRAIN, TRAINING, client_generator
-from .inprocess import InProcess
+from .driver import TRAINING
+from .inprocess import InProcess, client_hook
 
 _HELD: tuple | None = None  # (method, federation, seed) in a worker: set before forking, or by _start (spawn)
 
@@ -84,13 +82,7 @@ def _client(task: bytes) -> bytes:
     torch's own multiprocessing pickler would move every tensor into shared memory, one file descriptor each."""
     kind, index, cid, payload, cstate = pickle.loads(task)
     method, fed, seed = _HELD
-    if kind == TRAINING:
-        purpose, call = TRAIN, method.local_train
-    else:
-        purpose, call = PHASE, (lambda p, s, d, g: method.phase_client(kind, p, s, d, g))
-    gen = client_generator(seed, purpose, index, cid)
-    with autocast(method.spec):
-        reply, cstate = call(payload, cstate, fed.clients[cid], gen)
+    reply, cstate = client_hook(method, seed, kind, index, cid, payload, cstate, fed.clients[cid])
     return pickle.dumps((reply, cstate, torch.get_rng_state()), protocol=pickle.HIGHEST_PROTOCOL)
 
 

@@ -416,12 +416,13 @@ def check_cores(runs: list[PlannedRun], jobs: int, threads: int | None) -> None:
     """--jobs J with runs that train their clients in N worker processes (--workers) of T threads: J x N x T
     must fit the cores this process may use, or the machine is oversubscribed (one line, before anything is
     written). ``auto`` shares the cores out: each run's workers are the cores / J."""
+    if jobs < 2:
+        return
     cores = available_cores()
     for r in runs:
-        if str(r.cfg.workers) == "off" or jobs < 2:
+        if str(r.cfg.workers) in ("off", "auto"):  # auto: cores / jobs workers each (share_of_cores), so it fits
             continue
-        t = threads or r.cfg.threads or 1
-        n = max(1, cores // (jobs * t)) if str(r.cfg.workers) == "auto" else worker_count(r.cfg)
+        t, n = threads or r.cfg.threads or 1, worker_count(r.cfg)
         if jobs * n * t > cores:
             raise ConfigError(f"--jobs {jobs} x --workers {n} x {t} thread{'s' * (t != 1)} asks for {jobs * n * t} "
                               f"threads, past the {cores} cores this process may use; lower --jobs or --workers (jobs "

@@ -278,8 +278,6 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
         final = driver.run()
     except Diverged as e:
         log({**e.record, "diverged": e.reason})
-        log.close()
-        sent.close()
         kept = (f"; its last good checkpoint (round {saved['round']}) is kept" if saved["round"] is not None
                 else "")
         err = diverged_error(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, e, check.advice(),
@@ -287,23 +285,23 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
         tracked.finish("FAILED")
         raise err from None
     except Preempted as e:  # a scheduler's signal: the last completed round's checkpoint is on disk
-        log.close()
-        sent.close()
         tracked.finish("KILLED", files=())
         raise e.stopped(run_stopped(out, cfg.name, len(driver.history) + 1, cfg.rounds, saved["round"]))
-    log.close()
-    sent.close()
+    finally:
+        log.close()
+        sent.close()
     summary = run_summary(out, cfg.method, elapsed + time.perf_counter() - t0, driver.history, final, **extra)
     if ck is not None:
         summary["resumed_after_round"] = ck["sim"]["round"]
     if check.first is not None:
         summary["diverged_continued"] = check.first  # --on-diverge continue: round and reason
-    if getattr(driver, "dp", None) is not None:  # --dp client: the privacy loss and the accountant's inputs
+    if driver.dp is not None:  # --dp client: the privacy loss and the accountant's inputs
         summary["dp"] = driver.dp.table(driver.round)
-    if getattr(driver, "stopped", None):
+    if driver.stopped:
         summary["stopped"] = driver.stopped  # --dp-budget: training ended before its last round
-    save_final_state(out, tree_of(driver.state), {"server": head_like(tree_of(driver.state), C), **heads,
-                                         "clients": client_heads(driver.transport, fed, C)})
+    final_tree = tree_of(driver.state)
+    save_final_state(out, final_tree, {"server": head_like(final_tree, C), **heads,
+                                       "clients": client_heads(driver.transport, fed, C)})
     write_json(out / "summary.json", summary)
     remove_checkpoints(out)
     shutil.rmtree(out / CLIENT_STATES, ignore_errors=True)  # a finished run keeps no client state (nor checkpoint)
