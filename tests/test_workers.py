@@ -184,6 +184,7 @@ def test_workers_times_threads_past_the_cores_is_refused():
         validate(RunConfig(clients=4 * n + 4, participation=1.0, workers=str(n), threads=2))
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="where a GPU is visible auto chooses none (below)")
 def test_auto_uses_the_cores_on_a_cpu_and_nothing_on_one_client_a_round():
     from fedlt.config import worker_count
 
@@ -208,3 +209,15 @@ def test_a_sweep_does_not_oversubscribe_jobs_times_workers(tmp_path):
     assert share_of_cores(auto.cfg, 4) == {"workers": "4", "threads": 1}
     assert share_of_cores(auto.cfg, 1) == {"workers": "off", "threads": 1}
     assert share_of_cores(RunConfig(), 3) == {"threads": 3}
+
+
+def test_where_a_gpu_is_visible_workers_are_refused_and_auto_chooses_none(monkeypatch):
+    """A process forked after a backward pass cannot run autograd where torch sees a GPU (seen on an H200)."""
+    import fedlt.config as config
+    from fedlt.errors import ConfigError
+
+    monkeypatch.setattr(config, "gpu_visible", lambda: True)
+    assert config.worker_count(RunConfig(clients=100, participation=1.0, workers="auto")) == 0
+    with pytest.raises(ConfigError, match=r"GPU is visible.*CUDA_VISIBLE_DEVICES") as e:
+        config.validate(RunConfig(clients=10, participation=1.0, workers="2"))
+    assert "\n" not in str(e.value)

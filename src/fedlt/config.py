@@ -493,6 +493,15 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def gpu_visible() -> bool:
+    """Whether torch sees a CUDA GPU. There a process forked after the first backward pass cannot run autograd
+    (torch starts a thread per device then; seen on an H200 machine), so the forked workers of --workers are
+    refused (and auto chooses none) until they start another way."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def worker_count(cfg) -> int:
     """The worker processes of a run (``--workers``; 0: none, the clients trained in this process). ``auto``: on a
     CPU, with at least two cores and two clients a round, as many as both allow (divided by ``--threads``)."""
@@ -502,7 +511,7 @@ def worker_count(cfg) -> int:
     if w != "auto":
         return int(w)
     per_round, cores = clients_per_round(cfg.clients, cfg.participation), available_cores() // (cfg.threads or 1)
-    if not str(cfg.device).startswith("cpu") or cores < 2 or per_round < 2:
+    if not str(cfg.device).startswith("cpu") or cores < 2 or per_round < 2 or gpu_visible():
         return 0
     return min(cores, per_round)
 
@@ -640,6 +649,11 @@ RELATIONS: list[Relation] = [
              "--workers trains clients in CPU processes; on {device} the batched executor trains a round's clients "
              "together (--client-parallel): drop --workers", when=lambda c: worker_count(c) > 0, others=("device",),
              bad=({"workers": "2", "device": "cuda"},)),
+    requires("workers", lambda c: not gpu_visible(),
+             "--workers forks CPU processes, which cannot run autograd where a GPU is visible (torch's device "
+             "threads); hide it for a CPU run (CUDA_VISIBLE_DEVICES= fedlt run ...) or train a round's clients "
+             "together on it (--device cuda --client-parallel auto)", when=lambda c: worker_count(c) > 0,
+             others=("device",)),
     requires("workers", lambda c: str(c.client_parallel) == "auto",
              "--workers and --client-parallel {client_parallel} both decide how a round's clients train; drop one",
              when=lambda c: worker_count(c) > 0, others=("client_parallel",),
