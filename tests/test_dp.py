@@ -89,6 +89,39 @@ def test_the_noise_is_solved_for_a_target_epsilon():
     assert dp.noise == pytest.approx(z) and dp.epsilon(50) <= 4.0
 
 
+def test_adaptive_clipping_follows_the_target_quantile_of_the_update_norms():
+    """Andrew et al.'s geometric update: with updates whose norms are spread 1..100 (every client every round,
+    negligible count noise), the clip settles where about Q of them are unclipped, from above and from below."""
+    from fedlt.core.method import Message
+
+    norms = torch.linspace(1.0, 100.0, 50)
+    w = {"a": torch.zeros(3)}
+    gen = torch.Generator().manual_seed(0)
+    for q, first in ((0.5, 0.1), (0.8, 1000.0)):
+        dp = ClientDP(first, 1e-6, None, 1e-5, None, 50, 50, 400, quantile=q, clip_lr=0.2, count_noise=1e-6)
+        for _ in range(300):
+            payloads = {i: Message(w, {}) for i in range(50)}
+            replies = [(i, Message({"a": torch.tensor([float(n), 0.0, 0.0])}, {})) for i, n in enumerate(norms)]
+            dp.server_side(dp.client_side(payloads, replies), gen)
+        unclipped = float((norms <= dp.clip).float().mean())
+        assert abs(unclipped - q) <= 0.06, (q, dp.clip, unclipped)
+        assert dp.record()["dp_clip"] == dp.used and dp.table(300)["clip"] == first
+
+
+def test_adaptive_clipping_gives_the_update_the_noise_left_by_the_count():
+    """The round is one Gaussian mechanism of multiplier z: z_update^-2 + (2 s)^-2 = z^-2 (Andrew et al., Thm 1);
+    the accountant composes z, so the epsilon is the fixed clip's."""
+    from fedlt.errors import ConfigError
+
+    fixed = ClientDP(1.0, 0.8, None, 1e-5, None, 100, 20, 10)
+    dp = ClientDP(1.0, 0.8, None, 1e-5, None, 100, 20, 10, quantile=0.5)
+    assert dp.count_noise == 1.0  # 20 expected clients / 20
+    assert dp.update_noise ** -2 + (2 * dp.count_noise) ** -2 == pytest.approx(0.8 ** -2)
+    assert dp.update_noise > 0.8 and dp.epsilon(10) == fixed.epsilon(10)
+    with pytest.raises(ConfigError, match="must exceed half"):
+        ClientDP(1.0, 2.0, None, 1e-5, None, 100, 20, 10, quantile=0.5)
+
+
 def test_the_budget_stops_before_the_round_that_would_pass_it_with_exit_0(tmp_path):
     argv = ["run", "--dataset", "digits", "--rho", "10", "--clients", "10", "--participation", "0.5",
             "--rounds", "20", "--eval-every", "5", "--local-epochs", "1", "--model", "smallcnn", "--threads", "1",
@@ -105,12 +138,18 @@ def test_the_budget_stops_before_the_round_that_would_pass_it_with_exit_0(tmp_pa
     assert s["stopped"] == said[0] and s["final"] is not None
 
 
-def test_resume_continues_the_accountant_and_the_noise_exactly(tmp_path):
+@pytest.mark.parametrize("adaptive", [{}, {"dp_clip_quantile": 0.5, "dp_clip": 0.3, "dp_count_noise": 1.0}],
+                         ids=["fixed", "adaptive"])
+def test_resume_continues_the_accountant_and_the_noise_exactly(tmp_path, adaptive):
     from conftest import dies_in_round
     from fedlt.engine.driver import Driver
 
-    ref = rundir.run(small_config(**DP, out=str(tmp_path), name="ref"), progress=False, echo=lambda *a: None)
-    cfg = small_config(**DP, out=str(tmp_path), name="cut")
+    ref = rundir.run(small_config(**{**DP, **adaptive}, out=str(tmp_path), name="ref"), progress=False,
+                     echo=lambda *a: None)
+    if adaptive:  # the clip moved, so the resumed run must have kept it
+        clips = [json.loads(x).get("dp_clip") for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+        assert len({c for c in clips if c is not None}) == 4
+    cfg = small_config(**{**DP, **adaptive}, out=str(tmp_path), name="cut")
     with dies_in_round(Driver, 3):
         rundir.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1)
     out = rundir.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1, resume=True)
@@ -152,6 +191,23 @@ def test_a_method_whose_clients_send_class_statistics_is_refused_naming_them():
         validate(RunConfig(dp="client", dp_clip=1.0, dp_noise=1.0, method="ccvr", clients=10))
     assert "\n" not in str(e.value)
     validate(RunConfig(dp="client", dp_clip=1.0, dp_noise=1.0, method="fedavg", clients=10))  # FedAvg runs
+
+
+def test_fedloge_runs_under_dp_with_its_phases_sending_nothing_but_a_count_of_one(tmp_path):
+    """A phase that sends only its size and statistics runs under --dp with nothing of them leaving (FedLoGe's
+    GA-FR and LA-FR: the generic and personalised models still come out); one that sends a model part is refused."""
+    from fedlt.config import RunConfig, validate
+    from fedlt.errors import ConfigError
+
+    cfg = small_config(**{**DP, "rounds": 2}, method="fedloge", params={"sse_steps": 200}, out=str(tmp_path),
+                       name="lg")
+    summary = rundir.run(cfg, progress=False, echo=lambda *a: None)
+    assert "generic" in summary["final"]["global"] and "personalized" in summary["final"]["personal"]
+    phases = [json.loads(x) for x in (tmp_path / "lg" / "sent.jsonl").read_text().splitlines() if '"phase"' in x]
+    assert {r["phase"] for r in phases} == {"ga-fr", "la-fr"}
+    assert all(r["sent"] == "num_examples" and r["values"] == 1 for r in phases), phases
+    with pytest.raises(ConfigError, match=r"head\.\* \(model-part, phase rucr-crt\)"):
+        validate(RunConfig(dp="client", dp_clip=1.0, dp_noise=1.0, method="rucr", clients=10))
 
 
 def test_the_flower_engine_refuses_dp_until_its_clients_clip():

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .core.dp import unprotected
+from .core.dp import default_delta, noise_for, unprotected
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
 from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
                    check_relations, check_values, coerce, declared_in, excludes, requires, rows, settings_of, setting,
@@ -191,6 +191,18 @@ class RunConfig:
     dp_delta: float | None = setting(None, "--dp client: delta of (epsilon, delta)-DP", low=0, low_open=True,
                                      high=1, high_open=True, metavar="D", group=PRIVACY, reads=("engine",),
                                      none_means="1 / clients^1.1 (below 1 / clients)")
+    dp_clip_quantile: float | None = setting(None, "--dp client: adaptive clipping (Andrew et al. 2021): the share "
+                                                   "of updates the clip should leave unclipped; --dp-clip is then "
+                                                   "the first round's clip", low=0, low_open=True, high=1,
+                                             high_open=True, metavar="Q", group=PRIVACY, reads=("engine",),
+                                             none_means="a fixed clip")
+    dp_clip_lr: float = setting(0.2, "--dp-clip-quantile: the clip's geometric learning rate (C *= exp(-lr (unclipped "
+                                     "share - Q)))", low=0, low_open=True, limit=10, metavar="LR", group=PRIVACY,
+                                reads=("engine",))
+    dp_count_noise: float | None = setting(None, "--dp-clip-quantile: the std of the Gaussian noise on the count of "
+                                                 "unclipped updates", low=0, low_open=True, metavar="S",
+                                           group=PRIVACY, reads=("engine",),
+                                           none_means="the expected clients a round / 20 (Andrew et al.)")
     dp_budget: float | None = setting(None, "--dp client: stop (cleanly, exit 0) before a round whose epsilon would "
                                             "pass this", low=0, low_open=True, metavar="E", group=PRIVACY,
                                       reads=("engine",), none_means="no budget")
@@ -478,11 +490,31 @@ def clients_per_round(num_clients: int, participation: float, what: str = "parti
     return n
 
 
-def unprotected_by(cfg) -> list[str]:
-    """What method ``cfg.method``'s clients send that --dp client would not protect (its ``sends``)."""
+def count_noise(cfg: RunConfig) -> float:
+    """The std of the noise on adaptive clipping's count of unclipped updates (--dp-count-noise, or Andrew et al.'s
+    expected clients a round / 20)."""
+    return cfg.dp_count_noise if cfg.dp_count_noise is not None else \
+        clients_per_round(cfg.clients, cfg.participation) / 20
+
+
+def dp_noise_of(cfg: RunConfig) -> float:
+    """--dp client's noise multiplier: --dp-noise, or the one solved for --dp-epsilon over the run's rounds."""
+    if cfg.dp_noise is not None:
+        return cfg.dp_noise
+    delta = cfg.dp_delta if cfg.dp_delta is not None else default_delta(cfg.clients)
+    return noise_for(cfg.dp_epsilon, clients_per_round(cfg.clients, cfg.participation) / cfg.clients, cfg.rounds,
+                     delta)
+
+
+def _method_class(cfg):
     from .plugins import method_class
 
-    return unprotected(getattr(method_class(cfg), "sends", ()))
+    return method_class(cfg)
+
+
+def unprotected_by(cfg) -> list[str]:
+    """What method ``cfg.method``'s clients send that --dp client would not protect (its ``sends``)."""
+    return unprotected(getattr(_method_class(cfg), "sends", ()))
 
 
 def available_cores() -> int:
@@ -666,7 +698,21 @@ RELATIONS: list[Relation] = [
     *[applies_when(name, lambda c: c.dp == "client", f"--{name.replace('_', '-')} applies to --dp client; add "
                    f"--dp client or drop it", others=("dp",), bad=({name: value},))
       for name, value in (("dp_clip", 1.0), ("dp_noise", 1.0), ("dp_epsilon", 8.0), ("dp_delta", 1e-5),
-                          ("dp_budget", 8.0))],
+                          ("dp_budget", 8.0), ("dp_clip_quantile", 0.5))],
+    *[applies_when(name, lambda c: c.dp_clip_quantile is not None, f"--{name.replace('_', '-')} applies to adaptive "
+                   f"clipping; add --dp-clip-quantile Q or drop it", others=("dp_clip_quantile",),
+                   bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, name: value},))
+      for name, value in (("dp_clip_lr", 0.5), ("dp_count_noise", 1.0))],
+    requires("dp_clip_quantile", lambda c: dp_noise_of(c) < 2 * count_noise(c),
+             lambda c: f"adaptive clipping splits the noise multiplier {dp_noise_of(c):g} between the update and the "
+                       f"count of unclipped updates, whose noise {count_noise(c):g} must exceed half of it; raise "
+                       f"--dp-count-noise above {dp_noise_of(c) / 2:g}, or lower the noise (--dp-noise, or a larger "
+                       f"--dp-epsilon)",
+             when=lambda c: c.dp == "client" and c.dp_clip_quantile is not None
+             and (c.dp_noise is None) != (c.dp_epsilon is None),
+             others=("dp_noise", "dp_epsilon", "dp_delta", "dp_count_noise", "participation", "clients", "rounds"),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_clip_quantile": 0.5,
+                   "dp_count_noise": 0.4},)),
     requires("dp", lambda c: c.dp_clip is not None, "--dp client needs --dp-clip C, the norm each client's update "
              "is clipped to (e.g. 1.0; McMahan et al. tune it to the median update norm)",
              when=lambda c: c.dp == "client", others=("dp_clip",), bad=({"dp": "client", "dp_noise": 1.0},)),
@@ -675,6 +721,11 @@ RELATIONS: list[Relation] = [
              when=lambda c: c.dp == "client", others=("dp_noise", "dp_epsilon"),
              bad=({"dp": "client", "dp_clip": 1.0}, {"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0,
                                                       "dp_epsilon": 8.0})),
+    requires("dp", lambda c: not getattr(_method_class(c), "needs_pool", False),
+             lambda c: f"--dp client protects each client's data in what it sends; method {c.method} trains on every "
+                       f"client's data pooled in one place, which no client-level guarantee covers: choose a "
+                       f"federated method", when=lambda c: c.dp == "client", others=("method",),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "centralized"},)),
     requires("dp", lambda c: not unprotected_by(c),
              lambda c: f"--dp client protects the model update only, and method {c.method}'s clients also send "
                        f"{', '.join(unprotected_by(c))}, which would leave unprotected; choose a method whose clients "

@@ -21,12 +21,25 @@ one ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` per round, add/remove-one-c
 ``(epsilon, delta)``. The summary's ``dp`` table holds every input, so anyone can recompute it with the same
 library (:func:`epsilon`).
 
+Adaptive clipping (Andrew, Thakkar, McMahan and Ramaswamy, NeurIPS 2021; ``--dp-clip-quantile Q``): the clip
+follows the ``Q`` quantile of the update norms. Each sampled client also sends one bit, ``b = [||Delta|| <= C]``;
+the server adds ``N(0, s^2)`` to their sum (``s``: ``--dp-count-noise``, default the expected clients a round / 20,
+the paper's), divides by the fixed denominator and moves the clip geometrically,
+``C <- C exp(-lr (b_noised - Q))`` (``lr``: ``--dp-clip-lr``, 0.2). Both releases are Gaussian mechanisms on the
+same sampled clients; the bit's sensitivity is 1/2 once centred, so the round is one Gaussian mechanism of
+multiplier ``z`` when the update's noise is ``z_u = (z^-2 - (2 s)^-2)^-1/2`` (the paper's Theorem 1): the
+accountant composes ``z`` as for a fixed clip and the update gets the (larger) ``z_u``. ``--dp-clip`` is the first
+round's clip; the clip is part of the checkpoint. (flwr 1.42's ``DifferentialPrivacy*AdaptiveClipping`` count the
+*clipped* updates in the same update rule, which moves the clip the other way from the paper's; fedlt follows the
+paper.)
+
 What the guarantee covers: the model update and nothing else. A method whose clients also send anything else
 (class counts, prototypes, features: ``Method.sends``) is refused with one line naming what would leave
 unprotected (:func:`unprotected`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -63,6 +76,12 @@ def epsilon(noise: float, rate: float, rounds: int, delta: float) -> float:
     return float(acc.get_epsilon(delta))
 
 
+def default_delta(population: int) -> float:
+    """delta when --dp-delta is not given: 1 / population^1.1, below 1 / population."""
+    return 1.0 / population ** 1.1
+
+
+@functools.lru_cache(maxsize=64)
 def noise_for(target: float, rate: float, rounds: int, delta: float) -> float:
     """The smallest noise multiplier (to 0.1 %) whose epsilon after ``rounds`` rounds is at most ``target``."""
     lo, hi = 0.0, 1.0
@@ -77,12 +96,26 @@ def noise_for(target: float, rate: float, rounds: int, delta: float) -> float:
     return hi
 
 
+def update_noise(noise: float, count_noise: float) -> float:
+    """The update's noise multiplier when adaptive clipping's count (noise std ``count_noise``, sensitivity 1/2)
+    takes its share of the round's multiplier ``noise`` (Andrew et al., Theorem 1). A count noise at most
+    ``noise / 2`` leaves nothing for the update: a one-line error."""
+    if noise == 0:
+        return 0.0
+    if 2 * count_noise <= noise:
+        raise ConfigError(f"adaptive clipping splits the noise multiplier {noise:g} between the update and the count "
+                          f"of unclipped updates, whose noise {count_noise:g} must exceed half of it; raise "
+                          f"--dp-count-noise above {noise / 2:g}, or allow a larger epsilon")
+    return (noise ** -2 - (2 * count_noise) ** -2) ** -0.5
+
+
 def unprotected(sends) -> list[str]:
     """What a method's clients send (its ``sends`` declaration) that the client-level guarantee would not
     cover: in the rounds, every declared item of another category than the model, its size and its statistics
-    (the update is clipped and noised, the rest is not sent); in a post-training phase, everything."""
+    (the update is clipped and noised, the rest is not sent); in a post-training phase, everything but its size
+    and statistics (which are not sent under DP: :meth:`ClientDP.phase_side`)."""
     return [f"{s.name} ({s.category}{', phase ' + s.when if s.when != 'rounds' else ''})" for s in sends
-            if s.category not in ALLOWED or s.when != "rounds"]
+            if s.category not in ALLOWED or (s.when != "rounds" and s.category == "model")]
 
 
 def clip_reply(payload_arrays: dict[str, torch.Tensor], arrays: dict[str, torch.Tensor], clip: float,
@@ -135,15 +168,23 @@ class ClientDP:
     done, so a resumed run continues it exactly)."""
 
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
-                 budget: float | None, population: int, per_round: int, rounds: int):
+                 budget: float | None, population: int, per_round: int, rounds: int, quantile: float | None = None,
+                 clip_lr: float = 0.2, count_noise: float | None = None):
         require()
         self.clip, self.population, self.rounds = float(clip), int(population), int(rounds)
+        self.first_clip = self.clip
         self.rate = per_round / population
-        self.delta = float(delta) if delta is not None else 1.0 / population ** 1.1
+        self.delta = float(delta) if delta is not None else default_delta(population)
         self.noise = float(noise) if noise is not None else noise_for(target, self.rate, rounds, self.delta)
         self.target, self.budget = target, budget
         self.denominator = self.rate * population  # McMahan et al.'s fixed denominator qW (uniform weights)
+        # adaptive clipping: the target quantile, the clip's learning rate, the count's noise and the update's share
+        self.quantile, self.clip_lr = quantile, float(clip_lr)
+        self.count_noise = None if quantile is None else \
+            float(count_noise) if count_noise is not None else per_round / 20
+        self.update_noise = self.noise if quantile is None else update_noise(self.noise, self.count_noise)
         self.bases: dict[int, dict] = {}  # the round's replies' references: what each client received
+        self.used = self.clip  # the round's clip (adaptive clipping moves self.clip for the next one)
         self.norms: list[float] = []
         self._epsilons: dict[int, float] = {}  # by rounds done (the budget check and the round's record ask alike)
 
@@ -152,7 +193,7 @@ class ClientDP:
         ``num_examples`` 1 in its meta (every client weighs 1; its statistics stay with it)."""
         from .method import Message
 
-        self.bases, self.norms = {}, []
+        self.bases, self.norms, self.used = {}, [], self.clip
         out = []
         for cid, reply in replies:
             base = payloads[cid].arrays
@@ -162,14 +203,39 @@ class ClientDP:
             out.append((cid, Message(arrays, {"num_examples": 1})))
         return out
 
+    def phase_side(self, phase: str, replies: list) -> list:
+        """A post-training phase's replies as their clients send them under DP: nothing but ``num_examples`` 1
+        (what such a phase may send is its size and statistics, :func:`unprotected`; the server's phase step of
+        such a method reads neither -- FedLoGe's GA-FR and LA-FR, the fine-tuning of FedBABU, FedDr+, DR and
+        FedETF's personalisation)."""
+        from .method import Message
+
+        for cid, reply in replies:
+            if reply.arrays:
+                raise ConfigError(f"--dp client: client {cid} sends {', '.join(sorted(reply.arrays)[:3])} in phase "
+                                  f"{phase}, which the guarantee does not cover; this method cannot run under --dp")
+        return [(cid, Message({}, {"num_examples": 1})) for cid, _ in replies]
+
     def server_side(self, replies: list, gen: torch.Generator) -> list:
         """The replies whose uniform mean is the received model plus the noised sum of the clipped updates over
         the fixed denominator."""
         from .method import Message
 
-        rows = noised_replies(self.bases, {c: r.arrays for c, r in replies}, self.noise, self.clip, self.denominator,
-                              gen)
+        rows = noised_replies(self.bases, {c: r.arrays for c, r in replies}, self.update_noise, self.clip,
+                              self.denominator, gen)
+        if self.quantile is not None:  # the noised share of unclipped updates moves the next round's clip
+            unclipped = sum(n <= self.used for n in self.norms)
+            noised = (unclipped + float(torch.randn((), generator=gen, dtype=torch.float64)) * self.count_noise) \
+                / self.denominator
+            self.clip *= math.exp(-self.clip_lr * (noised - self.quantile))
         return [(c, Message(rows[c], r.meta)) for c, r in replies]
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the clip (adaptive clipping moves it every round)."""
+        return {"clip": self.clip}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.clip = float(d.get("clip", self.clip))
 
     def epsilon(self, rounds: int) -> float:
         if rounds not in self._epsilons:
@@ -189,8 +255,9 @@ class ClientDP:
     def record(self) -> dict:
         """The round's DP fields of metrics.jsonl: how many updates were clipped, their median norm."""
         n = len(self.norms)
-        return {"dp_clipped": sum(x > self.clip for x in self.norms) / n if n else 0.0,
-                "dp_update_norm": float(sorted(self.norms)[n // 2]) if n else None}
+        return {"dp_clipped": sum(x > self.used for x in self.norms) / n if n else 0.0,
+                "dp_update_norm": float(sorted(self.norms)[n // 2]) if n else None,
+                **({} if self.quantile is None else {"dp_clip": self.used})}
 
     def table(self, rounds: int) -> dict:
         """summary.json's ``dp``: the privacy loss and every input of the accountant, to recompute it."""
@@ -198,7 +265,11 @@ class ClientDP:
 
         return {"epsilon": self.epsilon(rounds), "delta": self.delta, "noise_multiplier": self.noise,
                 "sample_rate": self.rate, "rounds": rounds, "scheme": "poisson", "population": self.population,
-                "expected_per_round": self.denominator, "clip": self.clip,
+                "expected_per_round": self.denominator, "clip": self.first_clip,
+                **({} if self.quantile is None else {
+                    "clipping": "adaptive (Andrew et al. 2021)", "clip_quantile": self.quantile,
+                    "clip_lr": self.clip_lr, "count_noise": self.count_noise, "update_noise": self.update_noise,
+                    "last_clip": self.clip}),
                 "weighting": "uniform (every client 1), fixed denominator sample_rate x population",
                 "adjacency": "add or remove one client", "target_epsilon": self.target,
                 "accountant": f"dp-accounting {version('dp-accounting')} rdp.RdpAccountant (orders 2-255, 256, "

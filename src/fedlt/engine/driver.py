@@ -176,7 +176,8 @@ class Driver:
         # --dp client (core.dp): every client sampled with probability per_round / num_clients, as its accountant
         # assumes; else exactly per_round clients, uniformly without replacement
         self.dp = None if cfg.dp == "off" else ClientDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta,
-                                                         cfg.dp_budget, num_clients, per_round, cfg.rounds)
+                                                         cfg.dp_budget, num_clients, per_round, cfg.rounds,
+                                                         cfg.dp_clip_quantile, cfg.dp_clip_lr, cfg.dp_count_noise)
         self.schedule = sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed) if self.dp is None else \
             poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed)
         self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)
@@ -221,7 +222,7 @@ class Driver:
         (fedlt.safefile.save_tree)."""
         return {"round": self.round, "state": tree_of(self.state), "client_states": self.transport.state_dict(),
                 "history": self.history, "missing": self.missing, "method": self.method.state_dict(),
-                "rng": rng_state()}
+                "rng": rng_state(), **({} if self.dp is None else {"dp": self.dp.state_dict()})}
 
     def load_state_dict(self, d: dict) -> None:
         """Continue from a :meth:`state_dict`; ``run()`` then goes on with round ``d["round"] + 1``."""
@@ -232,6 +233,8 @@ class Driver:
         self.history = list(d["history"])
         self.missing = {k: list(v) for k, v in d.get("missing", {}).items()}
         self.method.load_state_dict(d.get("method", {}))
+        if self.dp is not None:
+            self.dp.load_state_dict(d.get("dp", {}))
         set_rng_state(d["rng"])
 
     # ---------------------------------------------------------------- one exchange
@@ -257,8 +260,8 @@ class Driver:
         payloads = self.payloads(kind, index, [c for c in cids if c not in why], make_payload)
         replies, lost = self.transport.send_and_receive(kind, index, payloads) if payloads else ([], {})
         why.update(lost)
-        if kind == TRAINING and self.dp is not None:  # each reply as its client sends it: clipped (core.dp)
-            replies = self.dp.client_side(payloads, replies)
+        if self.dp is not None:  # each reply as its client sends it under DP (core.dp): clipped; a phase's, empty
+            replies = self.dp.client_side(payloads, replies) if kind == TRAINING else self.dp.phase_side(kind, replies)
         for hook in self.on_replies:
             hook(kind, index, replies)
         extra = {}
