@@ -134,7 +134,8 @@ def method_page(name: str, cls) -> str:
            f"| class | `{cls.__module__}.{cls.__qualname__}` (`{source}`) |",
            f"| generic model (GM) | {gm} |", f"| personal models (PM) | {pm} |",
            f"| batched clients | {batched} |",
-           f"| post-training phases | {', '.join(f'`{p}`' for p in cls.phases) or 'none'} |", "",
+           f"| post-training phases | {', '.join(f'`{p}`' for p in cls.phases) or 'none'} |",
+           f"| secure aggregation (`--secagg`) | {_secagg(cls)} |", "",
            "## Parameters", ""]
     params = parameters(cls)
     if params:
@@ -159,6 +160,13 @@ def method_page(name: str, cls) -> str:
         out += ["```text", part, "```"] if part else [none]
     out += ["", "## The method's docstring", "", "```text", doc, "```", ""]
     return "\n".join(out)
+
+
+def _secagg(cls) -> str:
+    from fedlt.core.secagg import runs_under, why_not
+
+    return "yes: its server needs only the weighted mean of the replies" if runs_under(cls) else \
+        f"no: {_cell(why_not(cls))}"
 
 
 def parameters(cls) -> list[dict[str, str]]:

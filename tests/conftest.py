@@ -210,6 +210,36 @@ def dies_in_round(cls, n: int, only=None):
             del cls.train_round
 
 
+def timeless(x):
+    """A record (a summary's part, a metrics row) without its timings, which differ between two runs of the same
+    work."""
+    if isinstance(x, dict):
+        return {k: timeless(v) for k, v in x.items() if "time" not in k}
+    return [timeless(v) for v in x] if isinstance(x, list) else x
+
+
+def resumed_as_uninterrupted(tmp_path, over: dict, n: int = 3) -> tuple[dict, dict]:
+    """``small_config(**over)`` run in ``tmp_path`` uninterrupted (``ref``) and again killed as round ``n`` starts
+    (checkpoints every round), then resumed (``cut``): the resumed run says where it went on, and both end with
+    the same metrics.jsonl and final evaluation, times aside. Returns the two summaries (ref, resumed)."""
+    import json
+
+    from fedlt.engine.driver import Driver
+    from fedlt.runner import rundir
+
+    quiet = lambda *a: None  # noqa: E731
+    ref = rundir.run(small_config(**over, out=str(tmp_path), name="ref"), progress=False, echo=quiet)
+    cfg = small_config(**over, out=str(tmp_path), name="cut")
+    with dies_in_round(Driver, n):
+        rundir.run(cfg, progress=False, echo=quiet, checkpoint_every=1)
+    out = rundir.run(cfg, progress=False, echo=quiet, checkpoint_every=1, resume=True)
+    assert out["resumed_after_round"] == n - 1
+    rows = lambda name: [timeless(json.loads(x))  # noqa: E731
+                         for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert rows("cut") == rows("ref") and timeless(out["final"]) == timeless(ref["final"])
+    return ref, out
+
+
 # ------------------------------------------------------------------------------------------- background jobs
 # The suite runs in one process, and a few tests spend minutes mostly waiting (Flower deployments: a process
 # per message, 3-s polls, 60 s until a dead SuperNode is noticed). A module that defines
@@ -262,7 +292,7 @@ def _start_background(session, only=None) -> None:
 # the files that take longest (mostly waiting: deployments, a Ray cluster; or many runs of a page's commands) go
 # first under xdist (with --no-loadscope-reorder, as `make test` runs it), one to each worker, so that no worker
 # starts one of them when the other has nothing left
-FIRST = ("test_flower_deploy.py", "test_docs.py", "test_ray.py", "test_flower_simulation.py")
+FIRST = ("test_flower_deploy.py", "test_docs.py", "test_ray.py", "test_flower_simulation.py", "test_secagg.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -34,14 +34,14 @@ RESUMED = {"ditto": [], "fedloge": ["--set", "sse_steps=200"]}  # method: its pa
 def scenario_name(item) -> str:
     """The deployment a collected test of this module checks."""
     method = getattr(item, "callspec", None) and item.callspec.params.get("method")
-    return f"resume-{method}" if method else "killed-supernode"
+    return f"resume-{method}" if method else "dp-client" if "dp_client" in item.name else "killed-supernode"
 
 
 def scenario_job(name: str, tmp: Path):
     def job():
         tmp.mkdir(parents=True, exist_ok=True)
         return (resume_scenario(tmp, name[len("resume-"):]) if name.startswith("resume-")
-                else killed_supernode_scenario(tmp))
+                else dp_scenario(tmp) if name == "dp-client" else killed_supernode_scenario(tmp))
     return job
 
 
@@ -88,6 +88,40 @@ def test_killed_supernode_is_recorded_missing(tmp_path):
     assert len(summary["final"]["personal"]["global"]["per_client"]) == 1
     print(f"\nrun with a killed SuperNode: {res['wall']:.1f} s wall; record:",
           json.dumps({"round 2": rounds[2]["missing_why"], "missing": summary["missing"]}))
+
+
+DP = ["--dp", "client", "--dp-clip", "0.05", "--dp-noise", "0.5"]  # every update of SMALL is longer than 0.05
+
+
+def dp_scenario(tmp: Path) -> dict:
+    """Two SuperNodes (separate processes) train one round of SMALL under --dp client."""
+    c = Cluster(tmp)
+    try:
+        c.up()
+        run = c.submit(*SMALL, "--rounds", "1", "--eval-every", "1", "--method", "fedavg", *DP, "--round-timeout",
+                       "300")
+        assert run.wait(RUN_TIMEOUT) == 0, c.log("run")[-3000:]
+    finally:
+        c.stop_all()
+    return {"out": tmp / "runs" / "dep"}
+
+
+def test_deployed_supernodes_clip_under_dp_client(tmp_path):
+    """Each SuperNode clipped its update before it left: every reply passed the server's check (a reply longer than
+    the clip is recorded missing, with why) though every update was longer than the clip (each client's bit), and
+    the run is the simulator's: the same epsilon, GM and model (to float rounding across processes)."""
+    out = scenario("dp-client", tmp_path)["out"]
+    summary = json.loads((out / "summary.json").read_text())
+    rounds = [r for r in records(out) if "round" in r]
+    assert summary["missing"] == {} and [(r["sampled"], r["arrived"]) for r in rounds] == [(2, 2)]
+    assert rounds[0]["dp_clipped"] == 1.0 and rounds[0]["dp_update_norm"] is None
+    sim, final = run_small("fedavg", clients=2, participation=1.0, rounds=1, eval_every=1, local_epochs=2,
+                           dp="client", dp_clip=0.05, dp_noise=0.5, threads=1)
+    assert summary["dp"] == sim.dp.table(1) and sim.history[0]["dp_clipped"] == 1.0
+    state = load_final_state(out)["state"]
+    assert max(float((state["weights"][k] - sim.state.weights[k]).abs().max()) for k in state["weights"]) < 1e-5
+    assert abs(summary["final"]["global"]["global"]["acc"] - final["global"]["global"]["acc"]) \
+        <= 1.0 / len(sim.fed.dataset.y_test) + 1e-9
 
 
 def resume_scenario(tmp: Path, method: str) -> dict:

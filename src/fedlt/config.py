@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from .core.dp import default_delta, noise_for, unprotected
+from .core.dpsgd import declared
+from .core import secagg
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
 from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
                    check_relations, check_values, coerce, declared_in, excludes, requires, rows, settings_of, setting,
@@ -174,23 +176,27 @@ class RunConfig:
     over_select: float = setting(1.0, "sample F times the clients a round wants and aggregate the first of them "
                                       "to arrive within the deadline", low=1, limit=100, metavar="F", group=TRAIN)
     allow_large: bool = declared_in(RunSpec, "allow_large")
-    # differential privacy (fedlt.core.dp, docs/privacy.md)
+    # differential privacy (fedlt.core.dp, fedlt.core.dpsgd, docs/differential-privacy.md)
     dp: str = setting("off", "differential privacy: client (DP-FedAvg: each client's update clipped, Gaussian "
-                             "noise on their sum, Poisson sampling, an RDP accountant) or off",
-                      choices=("off", "client"), group=PRIVACY, reads=("engine",))
-    dp_clip: float | None = setting(None, "--dp client: the L2 norm each client's update is clipped to", low=0,
-                                    low_open=True, metavar="C", group=PRIVACY, reads=("engine",),
-                                    none_means="required with --dp client")
-    dp_noise: float | None = setting(None, "--dp client: the noise multiplier z (noise std z x clip on the sum)",
+                             "noise on their sum, Poisson sampling, an RDP accountant), sample (DP-SGD on each "
+                             "client with opacus: per-sample gradients clipped and noised, an accountant per "
+                             "client) or off", choices=("off", "client", "sample"), group=PRIVACY, reads=("engine",))
+    dp_clip: float | None = setting(None, "--dp client: the L2 norm each client's update is clipped to; --dp "
+                                          "sample: each sample's gradient", low=0, low_open=True, metavar="C",
+                                    group=PRIVACY, reads=("engine",), none_means="required with --dp")
+    dp_noise: float | None = setting(None, "the noise multiplier z (--dp client: noise std z x clip on the sum of "
+                                           "the updates; --dp sample: on each step's sum of per-sample gradients)",
                                      low=0, low_open=True, metavar="Z", group=PRIVACY, reads=("engine",),
                                      none_means="solved from --dp-epsilon")
-    dp_epsilon: float | None = setting(None, "--dp client: the epsilon the whole run may spend; the noise is solved "
-                                             "for it, the rounds and the sampling rate", low=0, low_open=True,
-                                       metavar="E", group=PRIVACY, reads=("engine",),
+    dp_epsilon: float | None = setting(None, "the epsilon the whole run may spend; the noise is solved for it (--dp "
+                                             "client: for the rounds and the sampling rate; --dp sample: for each "
+                                             "client, its sampling rate and its steps in the run)", low=0,
+                                       low_open=True, metavar="E", group=PRIVACY, reads=("engine",),
                                        none_means="from --dp-noise")
-    dp_delta: float | None = setting(None, "--dp client: delta of (epsilon, delta)-DP", low=0, low_open=True,
+    dp_delta: float | None = setting(None, "delta of (epsilon, delta)-DP", low=0, low_open=True,
                                      high=1, high_open=True, metavar="D", group=PRIVACY, reads=("engine",),
-                                     none_means="1 / clients^1.1 (below 1 / clients)")
+                                     none_means="--dp client: 1 / clients^1.1 (below 1 / clients); --dp sample: "
+                                                "1 / n^1.1, n the largest client's samples")
     dp_clip_quantile: float | None = setting(None, "--dp client: adaptive clipping (Andrew et al. 2021): the share "
                                                    "of updates the clip should leave unclipped; --dp-clip is then "
                                                    "the first round's clip", low=0, low_open=True, high=1,
@@ -206,6 +212,31 @@ class RunConfig:
     dp_budget: float | None = setting(None, "--dp client: stop (cleanly, exit 0) before a round whose epsilon would "
                                             "pass this", low=0, low_open=True, metavar="E", group=PRIVACY,
                                       reads=("engine",), none_means="no budget")
+    # secure aggregation (fedlt.core.secagg, docs/secure-aggregation.md): Flower's SecAgg+ and its parameters
+    secagg: bool = setting(False, "secure aggregation: Flower's SecAgg+ masks each client's update, the server "
+                                  "learns only their weighted mean (on Flower the protocol itself, in `fedlt run` its "
+                                  "arithmetic)", group=PRIVACY, reads=("engine",))
+    secagg_shares: int | None = setting(None, "--secagg: SecAgg+'s num_shares, how many of a round's clients (itself "
+                                              "included) hold shares of each client's secrets", low=3, high=INT32,
+                                        metavar="N", group=PRIVACY, reads=("engine",),
+                                        none_means="every client of the round")
+    secagg_threshold: int | None = setting(None, "--secagg: SecAgg+'s reconstruction_threshold, how many shares "
+                                                 "rebuild a secret: every client needs this many of its share-holders "
+                                                 "to stay, else the round is not aggregated", low=2, high=INT32,
+                                           metavar="T", group=PRIVACY, reads=("engine",),
+                                           none_means="a majority of the shares")
+    secagg_clip_range: float = setting(8.0, "--secagg: SecAgg+'s clipping_range, each weighted update entry is "
+                                            "clipped to [-R, R] before it is quantised", low=0, low_open=True,
+                                       high=FLOAT32_MAX, metavar="R", group=PRIVACY, reads=("engine",))
+    secagg_levels: int = setting(2 ** 22, "--secagg: SecAgg+'s quantization_range, the integer levels [-R, R] is "
+                                          "quantised to (one level: 2R / levels)", low=2, high=INT32, metavar="L",
+                                 group=PRIVACY, reads=("engine",))
+    secagg_max_weight: float | None = setting(None, "--secagg: SecAgg+'s max_weight, the weight (num_examples) "
+                                                    "that scales an update by 1 (smaller ones are scaled down before "
+                                                    "quantisation)", low=0, low_open=True, high=FLOAT32_MAX,
+                                              metavar="W", group=PRIVACY, reads=("engine",),
+                                              none_means="the largest training set of the round's clients (1 under "
+                                                         "--dp client)")
     # evaluation and output
     eval_every: int = setting(5, "evaluate every N rounds", low=1, high=INT32, group=OUTPUT,
                               reads=("engine",))
@@ -517,6 +548,26 @@ def unprotected_by(cfg) -> list[str]:
     return unprotected(getattr(_method_class(cfg), "sends", ()))
 
 
+def secagg_methods() -> list[str]:
+    """The built-in methods that run under --secagg (:func:`fedlt.core.secagg.runs_under`), FedAvg-family first."""
+    names = [n for n, cls in METHODS.items() if secagg.runs_under(cls)]
+    first = [n for n in ("fedavg", "fedprox", "fedavgm", "fedadam") if n in names]
+    return first + [n for n in names if n not in first]
+
+
+def secagg_clients(c) -> int:
+    """The fewest clients a round needs under --secagg: 3 (SecAgg+ splits a secret into 3 or more shares), more
+    than --secagg-threshold, and --secagg-shares."""
+    return max(secagg.MIN_CLIENTS, (c.secagg_threshold or 0) + 1, c.secagg_shares or 0)
+
+
+def dp_sample_methods() -> list[str]:
+    """The built-in methods that run under --dp sample (:func:`fedlt.core.dpsgd.declared`), FedAvg-family first."""
+    names = [n for n, cls in METHODS.items() if declared(cls) and not unprotected(getattr(cls, "sends", ()))]
+    first = [n for n in ("fedavg", "fedprox", "ditto", "fedper", "fedloge") if n in names]
+    return first + [n for n in names if n not in first]
+
+
 def available_cores() -> int:
     """The CPU cores this process may use (its affinity where the system says, else the machine's)."""
     try:
@@ -695,10 +746,13 @@ RELATIONS: list[Relation] = [
                        f"{worker_count(c) * (c.threads or 1)} threads, past the {available_cores()} cores this process "
                        f"may use; lower --workers or --threads (or use --workers auto)",
              when=lambda c: worker_count(c) > 0, others=("threads",), bad=({"workers": "2", "threads": 4096},)),
+    *[applies_when(name, lambda c: c.dp != "off", f"--{name.replace('_', '-')} applies to --dp client and --dp "
+                   f"sample; add one or drop it", others=("dp",), bad=({name: value},))
+      for name, value in (("dp_clip", 1.0), ("dp_noise", 1.0), ("dp_epsilon", 8.0), ("dp_delta", 1e-5))],
     *[applies_when(name, lambda c: c.dp == "client", f"--{name.replace('_', '-')} applies to --dp client; add "
-                   f"--dp client or drop it", others=("dp",), bad=({name: value},))
-      for name, value in (("dp_clip", 1.0), ("dp_noise", 1.0), ("dp_epsilon", 8.0), ("dp_delta", 1e-5),
-                          ("dp_budget", 8.0), ("dp_clip_quantile", 0.5))],
+                   f"--dp client or drop it", others=("dp",),
+                   bad=({name: value}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, name: value}))
+      for name, value in (("dp_budget", 8.0), ("dp_clip_quantile", 0.5))],
     *[applies_when(name, lambda c: c.dp_clip_quantile is not None, f"--{name.replace('_', '-')} applies to adaptive "
                    f"clipping; add --dp-clip-quantile Q or drop it", others=("dp_clip_quantile",),
                    bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, name: value},))
@@ -713,31 +767,91 @@ RELATIONS: list[Relation] = [
              others=("dp_noise", "dp_epsilon", "dp_delta", "dp_count_noise", "participation", "clients", "rounds"),
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_clip_quantile": 0.5,
                    "dp_count_noise": 0.4},)),
-    requires("dp", lambda c: c.dp_clip is not None, "--dp client needs --dp-clip C, the norm each client's update "
-             "is clipped to (e.g. 1.0; McMahan et al. tune it to the median update norm)",
-             when=lambda c: c.dp == "client", others=("dp_clip",), bad=({"dp": "client", "dp_noise": 1.0},)),
+    requires("dp", lambda c: c.dp_clip is not None,
+             lambda c: "--dp client needs --dp-clip C, the norm each client's update is clipped to (e.g. 1.0; McMahan "
+                       "et al. tune it to the median update norm)" if c.dp == "client" else
+                       "--dp sample needs --dp-clip C, the norm each sample's gradient is clipped to (e.g. 1.0; tune it "
+                       "to the median per-sample gradient norm, dp_grad_norm in metrics.jsonl)",
+             when=lambda c: c.dp != "off", others=("dp_clip",),
+             bad=({"dp": "client", "dp_noise": 1.0}, {"dp": "sample", "dp_noise": 1.0})),
     requires("dp", lambda c: (c.dp_noise is None) != (c.dp_epsilon is None),
-             "--dp client needs exactly one of --dp-noise Z and --dp-epsilon E (the noise solved for it)",
-             when=lambda c: c.dp == "client", others=("dp_noise", "dp_epsilon"),
+             "--dp {dp} needs exactly one of --dp-noise Z and --dp-epsilon E (the noise solved for it)",
+             when=lambda c: c.dp != "off", others=("dp_noise", "dp_epsilon"),
              bad=({"dp": "client", "dp_clip": 1.0}, {"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0,
-                                                      "dp_epsilon": 8.0})),
+                                                      "dp_epsilon": 8.0}, {"dp": "sample", "dp_clip": 1.0})),
     requires("dp", lambda c: not getattr(_method_class(c), "needs_pool", False),
              lambda c: f"--dp client protects each client's data in what it sends; method {c.method} trains on every "
                        f"client's data pooled in one place, which no client-level guarantee covers: choose a "
                        f"federated method", when=lambda c: c.dp == "client", others=("method",),
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "centralized"},)),
     requires("dp", lambda c: not unprotected_by(c),
-             lambda c: f"--dp client protects the model update only, and method {c.method}'s clients also send "
-                       f"{', '.join(unprotected_by(c))}, which would leave unprotected; choose a method whose clients "
-                       f"send only the model (fedavg, fedprox, fedavgm, fedadam)",
-             when=lambda c: c.dp == "client", others=("method",),
-             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"},)),
+             lambda c: f"--dp {c.dp} protects the model {'update' if c.dp == 'client' else 'DP-SGD trains'} only, and "
+                       f"method {c.method}'s clients also send {', '.join(unprotected_by(c))}, which would leave "
+                       f"unprotected; choose a method whose clients send only the model (fedavg, fedprox, fedavgm, "
+                       f"fedadam)",
+             when=lambda c: c.dp != "off", others=("method",),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"},
+                  {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"})),
+    requires("dp", lambda c: declared(_method_class(c)),
+             lambda c: f"--dp sample runs DP-SGD in a method's described local steps whose loss of one sample reads no "
+                       f"other sample, and method {c.method} does not declare that (Method.dp_sample: its local "
+                       f"training is a loop of its own, or its loss reads its data's class statistics); choose "
+                       f"{words(dp_sample_methods(), 'or')}",
+             when=lambda c: c.dp == "sample", others=("method",),
+             bad=({"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "fedrs"},)),
+    requires("dp", lambda c: worker_count(c) == 0 and str(c.client_parallel) in ("auto", "off")
+             and c.precision != "fp16",
+             "--dp sample trains a round's clients one after another in this process, in fp32 or bf16 (each keeps its "
+             "accountant here; DP-SGD vectorises over a client's samples instead): drop --workers, --client-parallel "
+             "N and --precision fp16", when=lambda c: c.dp == "sample",
+             others=("workers", "client_parallel", "precision"),
+             bad=({"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "client_parallel": "2"},)),
     requires("dp", lambda c: c.availability == "always" and c.drop_rate == 0 and c.round_deadline is None
              and c.over_select == 1,
              "--dp client samples every client with probability participation / clients each round, as its "
              "accountant assumes: drop --availability, --drop-rate, --round-deadline and --over-select",
              when=lambda c: c.dp == "client", others=("availability", "drop_rate", "round_deadline", "over_select"),
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "drop_rate": 0.5},)),
+    *[applies_when(name, lambda c: c.secagg, f"--{name.replace('_', '-')} applies to --secagg; add --secagg or drop "
+                   f"it", others=("secagg",), bad=({name: value},))
+      for name, value in (("secagg_shares", 3), ("secagg_threshold", 2), ("secagg_clip_range", 4.0),
+                          ("secagg_levels", 1024), ("secagg_max_weight", 100.0))],
+    requires("secagg", lambda c: secagg.runs_under(_method_class(c)),
+             lambda c: f"--secagg hands the server only the weighted mean of the clients' updates, and method "
+                       f"{c.method} needs more: {secagg.why_not(_method_class(c))}; drop --secagg or choose a method "
+                       f"that averages ({', '.join(secagg_methods()[:6])}, ...)",
+             when=lambda c: c.secagg, others=("method",),
+             bad=({"secagg": True, "participation": 1.0, "method": "ccvr"},
+                  {"secagg": True, "participation": 1.0, "method": "fedexp"})),
+    requires("secagg", lambda c: clients_per_round(c.clients, c.participation) >= secagg_clients(c),
+             lambda c: f"--secagg needs at least {secagg_clients(c)} clients a round (SecAgg+ splits each client's "
+                       f"secrets into shares: at least 3, more than --secagg-threshold, --secagg-shares where given), "
+                       f"and this run has {clients_per_round(c.clients, c.participation)}: raise --participation or "
+                       f"--clients, or lower the threshold",
+             when=lambda c: c.secagg, others=("participation", "clients", "secagg_threshold", "secagg_shares"),
+             bad=({"secagg": True}, {"secagg": True, "participation": 1.0, "secagg_threshold": 4})),
+    requires("secagg_threshold", lambda c: c.secagg_threshold < c.secagg_shares,
+             "--secagg-threshold {secagg_threshold} must be below --secagg-shares {secagg_shares} (a client's "
+             "share-holders include itself); lower the threshold or raise the shares",
+             when=lambda c: c.secagg and c.secagg_shares is not None and c.secagg_threshold is not None,
+             others=("secagg_shares",),
+             bad=({"secagg": True, "participation": 1.0, "secagg_shares": 3, "secagg_threshold": 3},)),
+    requires("secagg_levels", lambda c: secagg.fits(clients_per_round(c.clients, c.participation), c.secagg_levels),
+             lambda c: f"--secagg-levels {c.secagg_levels} x {clients_per_round(c.clients, c.participation)} clients "
+                       f"a round passes SecAgg+'s modulus 2^32: the masked sum would wrap round; use at most "
+                       f"{(secagg.MODULUS - 1) // clients_per_round(c.clients, c.participation)} levels",
+             when=lambda c: c.secagg, others=("participation", "clients"),
+             bad=({"secagg": True, "participation": 1.0, "secagg_levels": 2 ** 30},)),
+    requires("secagg", lambda c: c.drop_rate == 0 and c.round_deadline is None and c.over_select == 1,
+             "--secagg sums the replies before the server sees any, and --drop-rate, --round-deadline and "
+             "--over-select drop replies after they arrive: drop them (a client that really drops out of a round is "
+             "SecAgg+'s to handle)", when=lambda c: c.secagg, others=("drop_rate", "round_deadline", "over_select"),
+             bad=({"secagg": True, "participation": 1.0, "drop_rate": 0.5},)),
+    requires("secagg_clip_range", lambda c: c.secagg_clip_range >= c.dp_clip,
+             "--secagg-clip-range {secagg_clip_range:g} is below --dp-clip {dp_clip:g}: SecAgg+ would clip entries "
+             "of updates DP has already clipped; use a range of at least the DP clip",
+             when=lambda c: c.secagg and c.dp == "client" and c.dp_clip is not None, others=("dp_clip",),
+             bad=({"secagg": True, "participation": 1.0, "dp": "client", "dp_clip": 10.0, "dp_noise": 1.0},)),
     requires("tracker", lambda c: "none" not in c.tracker or len(set(c.tracker)) == 1,
              lambda c: f"--tracker none means no tracker and cannot go with {words(sorted(set(c.tracker) - {'none'}), 'and')}"
                        f"; drop none or the others", bad=({"tracker": "none,tensorboard"},)),

@@ -74,6 +74,10 @@ def main(args) -> int:
         params = rows(cls.Params)
         print_rows(params, flags=False) if params else print("  none")
         print_sends(cls)
+        from ..core.secagg import runs_under, why_not
+
+        print("secure aggregation (--secagg): " + ("yes, its server needs only the weighted mean of the replies"
+                                                   if runs_under(cls) else f"no, {why_not(cls)}"))
         return 0
     from ..api import list_methods
     from ..config import PRESETS

@@ -33,6 +33,12 @@ round's clip; the clip is part of the checkpoint. (flwr 1.42's ``DifferentialPri
 *clipped* updates in the same update rule, which moves the clip the other way from the paper's; fedlt follows the
 paper.)
 
+Where the clipping runs: in the simulator's exchange (:meth:`ClientDP.client_side`, as the client would); on the
+Flower engine in the ClientApp itself (:func:`client_reply` with the clipping bit, :func:`phase_reply`), so the server
+never holds an unclipped update, and the server's :meth:`ClientDP.arrived` checks each reply instead of clipping it
+(one that is not within the clip is not used). The noise, the clip's update and the accountant are the server's on
+both.
+
 What the guarantee covers: the model update and nothing else. A method whose clients also send anything else
 (class counts, prototypes, features: ``Method.sends``) is refused with one line naming what would leave
 unprotected (:func:`unprotected`).
@@ -137,6 +143,54 @@ def clip_reply(payload_arrays: dict[str, torch.Tensor], arrays: dict[str, torch.
     return out, norm
 
 
+UNCLIPPED = "dp_unclipped"  # the clipping bit a client that clips itself sends beside num_examples (1: within the clip)
+
+
+def client_reply(payload_arrays: dict[str, torch.Tensor], reply, clip: float, who: str, bit: bool = False):
+    """A client's reply as it leaves the client under ``--dp client``: its update clipped (:func:`clip_reply`),
+    integer entries as received, only ``num_examples`` 1 in its meta -- and with ``bit`` (a client that clips
+    itself: Flower's ClientApp) the clipping bit :data:`UNCLIPPED`, ``[||Delta|| <= clip]``, which the server's
+    adaptive clipping counts and its record reports. Returns (that message, the update's norm before clipping:
+    it stays with the client)."""
+    from .method import Message
+
+    arrays, norm = clip_reply(payload_arrays, reply.arrays, clip, who)
+    return Message(arrays, {"num_examples": 1, **({UNCLIPPED: int(norm <= clip)} if bit else {})}), norm
+
+
+def phase_reply(phase: str, who: str, reply):
+    """A post-training phase's reply as it leaves the client under ``--dp client``: nothing but ``num_examples`` 1
+    (what such a phase may send is its size and statistics, :func:`unprotected`); arrays are a one-line error."""
+    from .method import Message
+
+    if reply.arrays:
+        raise ConfigError(f"--dp client: {who} sends {', '.join(sorted(reply.arrays)[:3])} in phase {phase}, which "
+                          f"the guarantee does not cover; this method cannot run under --dp")
+    return Message({}, {"num_examples": 1})
+
+
+def not_clipped(payload_arrays: dict[str, torch.Tensor], reply, clip: float, who: str) -> str | None:
+    """Why a reply that its client says it clipped (:func:`client_reply` with the bit) is not as it must be, or
+    None: its update's norm above ``clip`` by more than the rounding of its floating-point entries to their dtype
+    (``eps |w|`` each, ``eps`` the dtype's machine epsilon), an integer entry other than received, or meta other
+    than ``num_examples`` 1 and the bit."""
+    meta = dict(reply.meta)
+    bit = meta.pop(UNCLIPPED, None)
+    if meta != {"num_examples": 1} or bit not in (0, 1):
+        return f"--dp client: its reply carries {', '.join(sorted(reply.meta)) or 'no meta'}, not num_examples 1 " \
+               f"and the clipping bit: its SuperNode does not clip (another fedlt?)"
+    if set(reply.arrays) - set(payload_arrays):
+        return "--dp client: it sends entries it did not receive, whose update cannot be clipped"
+    _, norm = clip_reply(payload_arrays, reply.arrays, clip, who)
+    floats = [v for v in reply.arrays.values() if v.is_floating_point()]
+    slack = math.sqrt(sum(float(((torch.finfo(v.dtype).eps * v.to(torch.float64)) ** 2).sum()) for v in floats))
+    if norm > clip + slack or any(not torch.equal(v, payload_arrays[k]) for k, v in reply.arrays.items()
+                                  if not v.is_floating_point()):
+        return f"--dp client: its update's norm {norm:.6g} passes the clip {clip:.6g} (or it changed an integer " \
+               f"entry): its SuperNode does not clip (another fedlt?)"
+    return None
+
+
 def noised_replies(bases: dict[int, dict[str, torch.Tensor]], clipped: dict[int, dict[str, torch.Tensor]],
                    noise: float, clip: float, denominator: float,
                    gen: torch.Generator) -> dict[int, dict[str, torch.Tensor]]:
@@ -185,36 +239,48 @@ class ClientDP:
         self.update_noise = self.noise if quantile is None else update_noise(self.noise, self.count_noise)
         self.bases: dict[int, dict] = {}  # the round's replies' references: what each client received
         self.used = self.clip  # the round's clip (adaptive clipping moves self.clip for the next one)
-        self.norms: list[float] = []
+        self.unclipped: list[bool] = []  # the round's clipping bits: each update within the clip
+        self.norms: list[float] = []  # its norms before clipping, where the server sees them (the simulator)
         self._epsilons: dict[int, float] = {}  # by rounds done (the budget check and the round's record ask alike)
 
     def client_side(self, payloads: dict, replies: list) -> list:
         """Each reply as its client sends it under DP: the update clipped, integer entries as received, only
         ``num_examples`` 1 in its meta (every client weighs 1; its statistics stay with it)."""
-        from .method import Message
-
-        self.bases, self.norms, self.used = {}, [], self.clip
+        self.bases, self.norms, self.unclipped, self.used = {}, [], [], self.clip
         out = []
         for cid, reply in replies:
             base = payloads[cid].arrays
-            arrays, norm = clip_reply(base, reply.arrays, self.clip, f"client {cid}")
+            message, norm = client_reply(base, reply, self.clip, f"client {cid}")
             self.bases[cid] = base
             self.norms.append(norm)
-            out.append((cid, Message(arrays, {"num_examples": 1})))
+            self.unclipped.append(norm <= self.clip)
+            out.append((cid, message))
         return out
 
-    def phase_side(self, phase: str, replies: list) -> list:
-        """A post-training phase's replies as their clients send them under DP: nothing but ``num_examples`` 1
-        (what such a phase may send is its size and statistics, :func:`unprotected`; the server's phase step of
-        such a method reads neither -- FedLoGe's GA-FR and LA-FR, the fine-tuning of FedBABU, FedDr+, DR and
-        FedETF's personalisation)."""
+    def arrived(self, payloads: dict, replies: list) -> tuple[list, dict[int, str]]:
+        """The replies of clients that clipped their updates themselves (Flower's ClientApp: :func:`client_reply`
+        with the bit), checked (:func:`not_clipped`) instead of clipped, their bits kept and taken out of their
+        meta, so that the rest of the round sees what :meth:`client_side` gives; and the replies not used, with
+        why. The norms before clipping stay on the clients (the record's ``dp_update_norm`` is None)."""
         from .method import Message
 
+        self.bases, self.norms, self.unclipped, self.used = {}, [], [], self.clip
+        out, why = [], {}
         for cid, reply in replies:
-            if reply.arrays:
-                raise ConfigError(f"--dp client: client {cid} sends {', '.join(sorted(reply.arrays)[:3])} in phase "
-                                  f"{phase}, which the guarantee does not cover; this method cannot run under --dp")
-        return [(cid, Message({}, {"num_examples": 1})) for cid, _ in replies]
+            base = payloads[cid].arrays
+            if (wrong := not_clipped(base, reply, self.clip, f"client {cid}")) is not None:
+                why[cid] = wrong
+                continue
+            self.bases[cid] = base
+            self.unclipped.append(bool(reply.meta[UNCLIPPED]))
+            out.append((cid, Message(reply.arrays, {"num_examples": 1})))
+        return out, why
+
+    def phase_side(self, phase: str, replies: list) -> list:
+        """A post-training phase's replies as their clients send them under DP (:func:`phase_reply`; the server's
+        phase step of such a method reads neither its size nor its statistics -- FedLoGe's GA-FR and LA-FR, the
+        fine-tuning of FedBABU, FedDr+, DR and FedETF's personalisation)."""
+        return [(cid, phase_reply(phase, f"client {cid}", reply)) for cid, reply in replies]
 
     def server_side(self, replies: list, gen: torch.Generator) -> list:
         """The replies whose uniform mean is the received model plus the noised sum of the clipped updates over
@@ -224,7 +290,7 @@ class ClientDP:
         rows = noised_replies(self.bases, {c: r.arrays for c, r in replies}, self.update_noise, self.clip,
                               self.denominator, gen)
         if self.quantile is not None:  # the noised share of unclipped updates moves the next round's clip
-            unclipped = sum(n <= self.used for n in self.norms)
+            unclipped = sum(self.unclipped)
             noised = (unclipped + float(torch.randn((), generator=gen, dtype=torch.float64)) * self.count_noise) \
                 / self.denominator
             self.clip *= math.exp(-self.clip_lr * (noised - self.quantile))
@@ -253,10 +319,12 @@ class ClientDP:
                 f"(epsilon after round {rnd - 1}: {self.epsilon(rnd - 1):.3g})")
 
     def record(self) -> dict:
-        """The round's DP fields of metrics.jsonl: how many updates were clipped, their median norm."""
-        n = len(self.norms)
-        return {"dp_clipped": sum(x > self.used for x in self.norms) / n if n else 0.0,
-                "dp_update_norm": float(sorted(self.norms)[n // 2]) if n else None,
+        """The round's DP fields of metrics.jsonl: the share of updates clipped, their median norm before clipping
+        (None where the clients clipped them: :meth:`arrived`)."""
+        n, m = len(self.unclipped), len(self.norms)
+        clipped = sum(x > self.used for x in self.norms) if m else sum(not b for b in self.unclipped)
+        return {"dp_clipped": clipped / n if n else 0.0,
+                "dp_update_norm": float(sorted(self.norms)[m // 2]) if m else None,
                 **({} if self.quantile is None else {"dp_clip": self.used})}
 
     def table(self, rounds: int) -> dict:

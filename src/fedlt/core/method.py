@@ -138,6 +138,14 @@ class Method:
         sent("num_examples", "size", "the number of training samples", meta=True),
         sent("*", "scalars", "training statistics: the mean loss, its parts, the steps", meta=True, numbers_only=True),
     )
+    # --dp sample (core.dpsgd): True where the local training that shapes what the clients send runs only through
+    # described steps (local_steps) whose loss of one sample reads nothing of the client's other samples; a
+    # subclass that changes a client hook declares it again (dpsgd.declared)
+    dp_sample: bool = False
+    # --secagg (core.secagg): True where the rounds' aggregate needs only the num_examples-weighted mean of the
+    # replies' floating-point arrays (and each reply's meta, which SecAgg+ leaves in the clear) -- what Flower's
+    # SecAgg+ hands the server; a subclass that changes aggregate or sends declares it again (:func:`declared`)
+    secagg: bool = False
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -281,3 +289,14 @@ class Method:
         self._eval_net.eval()
         return self._eval_net
 
+
+def declared(cls: type, flag: str, hooks: tuple[str, ...]) -> bool:
+    """Whether method class ``cls`` has the boolean class attribute ``flag``: the nearest class of its MRO that sets
+    it says so, unless a class below that one changes one of ``hooks`` (what the flag vouches for) without setting
+    it again."""
+    for klass in cls.__mro__:
+        if flag in vars(klass):
+            return bool(vars(klass)[flag])
+        if any(h in vars(klass) for h in hooks):
+            return False
+    return False

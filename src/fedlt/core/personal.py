@@ -48,6 +48,8 @@ class PartialSharing(Method):
     """FedAvg over every state-dict entry except ``local_keys``, which each client keeps to itself."""
 
     personalized = True
+    dp_sample = True  # cross-entropy of each sample; the local part trains by the same DP-SGD (core.dpsgd)
+    secagg = True  # the weighted mean of the shared entries (--secagg: core.secagg)
 
     def local_keys(self, model: Model) -> set[str]:
         raise NotImplementedError

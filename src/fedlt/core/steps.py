@@ -177,28 +177,48 @@ def strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tens
 def run_steps(method, steps: LocalSteps, data, gen: torch.Generator, lr: float | None = None) -> Trained:
     """Run a description for one client at the round's ``lr`` (the one its message carried; None: the run's
     ``spec.lr``): the method's working model, ``torch.optim.SGD`` with one parameter group per :class:`Train`
-    group, the shared loop :func:`fedlt.core.training.train_local`."""
-    spec, net = method.spec, method.net
-    load_weights(net, steps.weights)
-    params = dict(net.named_parameters())
-    groups = groups_of(steps, params, steps.extra)
-    extra = {k: (v.detach().clone().requires_grad_(True) if k in groups else v) for k, v in steps.extra.items()}
-    live = {**params, **extra}
-    param_groups = [{"params": [live[n] for n in names], "lr": g_lr, "momentum": mom, "weight_decay": wd}
-                    for (g_lr, mom, wd), names in by_setting(groups, spec, lr).items()]
-    opt = make_optimizer(param_groups, spec)
-    for name, buf in steps.momentum.items():
-        opt.state[live[name]]["momentum_buffer"] = buf.detach().clone()
-    view = StepModel(net, {n: p for n, p in params.items() if n in groups}, frozen_net(method))
+    group, the shared loop :func:`fedlt.core.training.train_local`. Under ``--dp sample`` (the run's
+    :class:`fedlt.core.dpsgd.SampleDP` on ``method.dpsgd``) the same description trains by DP-SGD instead."""
+    private = getattr(method, "dpsgd", None)
+    if private is not None:
+        return private.run_steps(method, steps, data, gen, lr)
+    run = StepRun(method, steps, lr)
     part_names: list[str] = []
 
     def loss_fn(model, x, y):
-        loss, parts = split_loss(steps.loss(view, x, y, extra))
+        loss, parts = split_loss(steps.loss(run.view, x, y, run.extra))
         part_names[:] = list(parts)
         return (loss, parts) if parts else loss
 
-    raw = train_local(net, data, spec, gen, loss_fn, epochs=steps.epochs, optimizer=opt, parts=True)
-    momentum = {n: opt.state[live[n]]["momentum_buffer"].clone() for n in groups
-                if opt.state[live[n]].get("momentum_buffer") is not None}
-    return Trained(weights_of(net), {k: v.detach() for k, v in extra.items()}, momentum,
-                   stats_of(part_names, raw["means"], raw["steps"]))
+    raw = train_local(run.net, data, method.spec, gen, loss_fn, epochs=steps.epochs, optimizer=run.opt, parts=True)
+    return run.trained(stats_of(part_names, raw["means"], raw["steps"]))
+
+
+class StepRun:
+    """One client's description made live on the method's working model: the weights loaded, the trained names and
+    their groups, the extra tensors (trained ones as fresh leaves), ``torch.optim.SGD`` with one parameter group
+    per setting and the momentum carried in, and the :class:`StepModel` the loss sees (:func:`run_steps`; DP-SGD's
+    ``fedlt.core.dpsgd`` trains the same)."""
+
+    def __init__(self, method, steps: LocalSteps, lr: float | None = None):
+        spec, net = method.spec, method.net
+        load_weights(net, steps.weights)
+        self.net = net
+        self.params = dict(net.named_parameters())
+        self.groups = groups_of(steps, self.params, steps.extra)
+        self.extra = {k: (v.detach().clone().requires_grad_(True) if k in self.groups else v)
+                      for k, v in steps.extra.items()}
+        self.live = {**self.params, **self.extra}
+        param_groups = [{"params": [self.live[n] for n in names], "lr": g_lr, "momentum": mom, "weight_decay": wd}
+                        for (g_lr, mom, wd), names in by_setting(self.groups, spec, lr).items()]
+        self.opt = make_optimizer(param_groups, spec)
+        for name, buf in steps.momentum.items():
+            self.opt.state[self.live[name]]["momentum_buffer"] = buf.detach().clone()
+        self.view = StepModel(net, {n: p for n, p in self.params.items() if n in self.groups}, frozen_net(method))
+
+    def trained(self, stats: dict[str, Any]) -> Trained:
+        """The result once the steps have run: the model, the extras, the trained tensors' momentum, ``stats``."""
+        opt, live = self.opt, self.live
+        momentum = {n: opt.state[live[n]]["momentum_buffer"].clone() for n in self.groups
+                    if opt.state[live[n]].get("momentum_buffer") is not None}
+        return Trained(weights_of(self.net), {k: v.detach() for k, v in self.extra.items()}, momentum, stats)

@@ -27,7 +27,7 @@ Memory: ``chunk`` clients at a time; with ``chunk`` None (``auto``), all of the 
 retried (with fresh generators, so the batches are the same) whenever CUDA runs out of memory; the size that
 fitted is kept for the later rounds.
 Not batched (run one client after another by the simulation): fp16 (its gradient scaler), methods with a loop of
-their own.
+their own, ``--dp sample`` (``core.dpsgd``: each client's DP-SGD vectorises over its batch's samples instead).
 
 A chunk is trained by one of two runners, which share the stacks, the step and its schedule (:class:`_Runner`):
 the :class:`DynamicRunner` (the default), whose stacks hold only the clients still training, and the
@@ -544,9 +544,10 @@ class Batched(InProcess):
 def client_parallel_chunk(setting, method: Method) -> int | None:
     """``--client-parallel``: "off" (0: one client after another), "auto" (all of a round's clients together,
     chunks halved if the GPU runs out of memory, on CUDA; one after another on a CPU, where vectorising gains
-    nothing) or N (chunks of N clients, on any device). Methods with a loop of their own, and fp16 (its gradient
-    scaler), always train one client after another."""
-    if not method.describes_steps() or method.spec.precision == "fp16":
+    nothing) or N (chunks of N clients, on any device). Methods with a loop of their own, fp16 (its gradient
+    scaler) and ``--dp sample`` (DP-SGD, ``core.dpsgd``, vectorises each client's per-sample gradients instead)
+    always train one client after another."""
+    if not method.describes_steps() or method.spec.precision == "fp16" or getattr(method, "dpsgd", None) is not None:
         return 0
     setting = str(setting)
     if setting == "off":

@@ -34,8 +34,10 @@ import torch
 
 from ..config import RunConfig, clients_per_round, lr_at, worker_count
 from ..core.dp import ClientDP
+from ..core.dpsgd import SampleDP
 from ..core.method import Message, Method, derive_seed
 from ..core.privacy import sends_check
+from ..core.secagg import SecAgg, largest_client
 from ..core.state import snapshot, tree_of, typed
 from ..decl import reads_settings, settings_values
 from ..errors import ConfigError
@@ -43,6 +45,7 @@ from ..metrics import headline
 from .faults import Faults, RoundPlan
 
 SAMPLING, TRAIN, PHASE, EVAL_SAMPLE, DP_NOISE = 10, 11, 12, 13, 14
+SECAGG = 15  # a client's stochastic rounding under --secagg (core.secagg): the simulator's and its SuperNode's
 TRAINING = "train"  # the ``kind`` of a training round's exchange; a phase's is its name
 
 
@@ -175,12 +178,19 @@ class Driver:
         per_round = clients_per_round(num_clients, cfg.participation)
         # --dp client (core.dp): every client sampled with probability per_round / num_clients, as its accountant
         # assumes; else exactly per_round clients, uniformly without replacement
-        self.dp = None if cfg.dp == "off" else ClientDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta,
-                                                         cfg.dp_budget, num_clients, per_round, cfg.rounds,
-                                                         cfg.dp_clip_quantile, cfg.dp_clip_lr, cfg.dp_count_noise)
+        self.dp = None if cfg.dp != "client" else ClientDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta,
+                                                            cfg.dp_budget, num_clients, per_round, cfg.rounds,
+                                                            cfg.dp_clip_quantile, cfg.dp_clip_lr, cfg.dp_count_noise)
         self.schedule = sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed) if self.dp is None else \
             poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed)
+        if cfg.dp == "sample":  # --dp sample (core.dpsgd): DP-SGD in every client's described steps, an accountant each
+            self.dp = method.dpsgd = SampleDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, self.schedule,
+                                              lambda: self.counts().sum(1))
         self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)
+        # --secagg (core.secagg): the server receives a training round's replies as SecAgg+ unmasks them; a transport
+        # that runs the protocol itself says so (``secagg``: Flower's), the others' rounds simulate it (exchange)
+        self.secagg = SecAgg(cfg.secagg_shares, cfg.secagg_threshold, cfg.secagg_clip_range, cfg.secagg_levels,
+                             cfg.secagg_max_weight, uniform=cfg.dp == "client") if cfg.secagg else None
         self.eval_clients = eval_sample(num_clients, cfg.eval_clients, cfg.seed)
         self.round = 0
         self.state = typed(method, method.init_server())
@@ -260,7 +270,10 @@ class Driver:
         payloads = self.payloads(kind, index, [c for c in cids if c not in why], make_payload)
         replies, lost = self.transport.send_and_receive(kind, index, payloads) if payloads else ([], {})
         why.update(lost)
-        if self.dp is not None:  # each reply as its client sends it under DP (core.dp): clipped; a phase's, empty
+        if self.dp is not None and kind == TRAINING and getattr(self.transport, "clips", False):
+            replies, refused = self.dp.arrived(payloads, replies)  # clipped on the clients (Flower's): checked
+            why.update(refused)
+        elif self.dp is not None:  # each reply as its client sends it under DP (core.dp): clipped; a phase's, empty
             replies = self.dp.client_side(payloads, replies) if kind == TRAINING else self.dp.phase_side(kind, replies)
         for hook in self.on_replies:
             hook(kind, index, replies)
@@ -275,6 +288,11 @@ class Driver:
                     extra["online"] = plan.online
                 if sim_time is not None:
                     extra["sim_time"] = sim_time
+            if self.secagg is not None and not getattr(self.transport, "secagg", False):
+                largest = largest_client(self.counts().sum(1), payloads)
+                replies, halted = self.secagg.simulate(payloads, replies, largest,
+                                                       lambda c: derive_seed(self.cfg.seed, SECAGG, index, c))
+                why.update(halted)
             extra["arrived"] = len(replies)
         rec = {**extra, "bytes_down_per_client": sum(p.nbytes() for p in payloads.values()) / max(len(cids), 1),
                "bytes_up_per_client": sum(r.nbytes() for _, r in replies) / max(len(replies), 1),

@@ -240,7 +240,8 @@ def head_norms(rs, methods, setting, out: Path):
                     "no classifier-like tensor in the server state", ha="center", transform=ax.transAxes)
         ax.grid(alpha=0.3)
         ax = axes[row, 1]
-        clients = heads.get("clients", {})
+        known = len(part["client_class_counts"]) > 0  # not under --dp client on Flower: the clients send none
+        clients = heads.get("clients", {}) if known else {}
         if clients:
             cc = np.array(part["client_class_counts"], dtype=float)
             cid = max(clients, key=lambda k: cc[int(k)].sum())
@@ -252,7 +253,8 @@ def head_norms(rs, methods, setting, out: Path):
             ax.legend(fontsize=7)
             ax.set_title(f"{m}: client {cid}'s own classifier vs. its class counts", fontsize=9)
         else:
-            ax.text(0.5, 0.5, "no client-side classifier (clients keep no head)", ha="center",
+            ax.text(0.5, 0.5, "no client-side classifier (clients keep no head)" if known else
+                    "the clients' label counts are not known (--dp client on Flower)", ha="center",
                     transform=ax.transAxes)
             ax.set_xticks([])
             ax.set_yticks([])
@@ -271,6 +273,8 @@ def head_norms(rs, methods, setting, out: Path):
 def partition_heatmap(rs, methods, setting, out: Path):
     r = min(rs, key=lambda r: r.seed)
     counts = _partition(r)["client_class_counts"]
+    if not len(counts):  # the clients' counts are not known (a Flower run under --dp client: they send none)
+        return None
     K = len(counts)
     rows = shown_clients(K, r.seed)
     cc = np.array([counts[k] for k in rows], dtype=float).reshape(len(rows), -1)

@@ -34,6 +34,9 @@ from .fedavg import FedAvg
 @METHODS.register("ditto")
 class Ditto(FedAvg):
     personalized = True
+    # --dp sample: the global update (sent) is FedAvg's described steps; the personal model never leaves the client
+    # and never enters what it sends
+    dp_sample = True
 
     @dataclass
     class Params:

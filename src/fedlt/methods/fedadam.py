@@ -29,6 +29,8 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedadam")
 class FedAdam(ServerOpt, FedAvg):
+    secagg = True  # its server step reads only the weighted mean of the replies (--secagg: core.secagg)
+
     @dataclass
     class Params:
         server_lr: float = setting(0.01, "eta, the server's step size", low=0, low_open=True)

@@ -15,6 +15,9 @@ from ..registry import METHODS
 
 @METHODS.register("fedavg")
 class FedAvg(Method):
+    dp_sample = True  # cross-entropy of each sample (--dp sample: core.dpsgd)
+    secagg = True  # the server takes the num_examples-weighted mean of the replies (--secagg: core.secagg)
+
     @dataclass
     class Params:
         pass

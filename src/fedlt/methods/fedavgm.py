@@ -37,6 +37,8 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedavgm")
 class FedAvgM(ServerOpt, FedAvg):
+    secagg = True  # its server step reads only the weighted mean of the replies (--secagg: core.secagg)
+
     @dataclass
     class Params:
         server_lr: float = setting(1.0, "eta_s, the server's step size", low=0, low_open=True)

@@ -37,6 +37,7 @@ class FedBN(PartialSharing):
 
     sends = (sent(MODEL, "model", "the trained model but its BatchNorm layers (they stay on the client)"),) + \
         PartialSharing.sends[1:]
+    secagg = True  # the weighted mean of the shared entries (--secagg: core.secagg)
 
     def local_keys(self, model):
         return bn_keys(model)

@@ -115,6 +115,9 @@ def linear_head(weight: torch.Tensor, bias: torch.Tensor, present=None):
 @METHODS.register("fedloge")
 class FedLoGe(Method):
     personalized = True
+    # --dp sample: stage 1 is described steps, each sample's three cross-entropies against the server's SSE-C, psi
+    # and phi_k (trained by the same DP-SGD); the phases send only a count
+    dp_sample = True
 
     @dataclass
     class Params:

@@ -29,6 +29,7 @@ class FedPer(PartialSharing):
         pass
 
     sends = (sent(MODEL, "model", "the trained body (the head never leaves the client)"),) + PartialSharing.sends[1:]
+    secagg = True  # the weighted mean of the body (--secagg: core.secagg)
 
     def local_keys(self, model):
         return head_keys(model)

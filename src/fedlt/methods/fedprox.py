@@ -18,6 +18,8 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedprox")
 class FedProx(FedAvg):
+    dp_sample = True  # the proximal term reads the received model only: per sample with its cross-entropy
+
     @dataclass
     class Params:
         mu: float = setting(0.01, "proximal coefficient (the paper tunes mu in {0.001, 0.01, 0.1, 1})", low=0)

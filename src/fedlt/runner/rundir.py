@@ -87,6 +87,10 @@ def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
     spec = make_spec(cfg, fed)
     cls = method_class(cfg)
     method = cls(spec, cls.make_params(cfg.params, cfg.allow_large))
+    if cfg.dp == "sample":  # DP-SGD cannot bound a sample's influence through BatchNorm: one line (core.dpsgd)
+        from ..core.dpsgd import check_model
+
+        check_model(method.new_model(), spec.model)
     if getattr(method, "needs_pool", False):  # the centralized reference trains on all clients' data pooled
         method.pool = fed.pooled()
     return Prepared(cfg, fed, method, spec)
@@ -359,7 +363,13 @@ def format_summary(summary: dict) -> str:
     b = summary["bytes_per_round_per_client"]
     lines.append(f"communication per client per round: up {b['up'] / 1e6:.3f} MB, down {b['down'] / 1e6:.3f} MB; "
                  f"wall time {summary['wall_time']:.1f} s")
-    if "dp" in summary:
+    if "dp" in summary and summary["dp"].get("level") == "sample":
+        d = summary["dp"]
+        lines.append(f"privacy: sample-level ({d['epsilon']:.3g}, {d['delta']:.3g})-DP for the worst client (client "
+                     f"{d['worst_client']}) after {d['rounds']} rounds (DP-SGD, clip {d['clip']:g}, noise multiplier "
+                     + (f"{d['noise_multiplier']:.3g}" if d['noise_multiplier'] is not None else "solved per client")
+                     + "; summary.json's dp table has every client's accountant inputs)")
+    elif "dp" in summary:
         d = summary["dp"]
         lines.append(f"privacy: client-level ({d['epsilon']:.3g}, {d['delta']:.3g})-DP after {d['rounds']} rounds "
                      f"(noise multiplier {d['noise_multiplier']:.3g}, clip {d['clip']:g}, sampling rate "

@@ -6,10 +6,13 @@ client needs nothing but its data and this package):
 ======================  ==========================================================================
 message type            what the client does
 ======================  ==========================================================================
-``query.describe``      says who it is: client id, training label counts, test-set size
+``query.describe``      says who it is: client id, training label counts, test-set size (under
+                        ``--dp client``: client id, and whether it serves the run's partition)
 ``train``               ``method.local_train(payload, cstate, data, gen)`` at the round's lr (the
                         payload's config, ``payload.lr``), gen = the driver's (round, client)
-                        generator
+                        generator; under ``--secagg`` through Flower's ``secaggplus_mod``, which
+                        masks the update (``fedlt.engine.flower.secagg``); under ``--dp client`` the
+                        reply clipped here (below)
 ``train.phase``         ``method.phase_client(name, payload, cstate, data, gen)`` (a post-training
                         phase, e.g. a realignment or fine-tuning, one message per phase)
 ``evaluate``            personalized evaluation on its own test set:
@@ -24,6 +27,18 @@ Where the data comes from (the SuperNode's ``--node-config``):
   ``DIR/test.npz`` (its personal test set), images shaped like the run's dataset; for real use.
 - optional ``state-dir=DIR``: the client state is also written there after every message that changes it,
   so it survives a SuperNode restart and a resumed run; ``device=cuda`` to train on the node's GPU.
+
+``--dp client`` (DP-FedAvg, :mod:`fedlt.core.dp`): the reply to ``train`` leaves clipped to the round's clip (the
+message's ``dp-clip``), integer entries as received, with ``num_examples`` 1 and the clipping bit and nothing else
+(:func:`fedlt.core.dp.client_reply`); a phase's with ``num_examples`` 1 only (:func:`fedlt.core.dp.phase_reply`); an
+evaluation's reports hold accuracy and group accuracies only (no per-class accuracies); ``describe`` says no label
+counts, test-set or training-set size. The server adds the noise. Flower 1.42's DP pieces do not fit:
+``fixedclipping_mod`` / ``adaptiveclipping_mod`` want one ArrayRecord and one ConfigRecord per message (fedlt's
+carry several) and clip every array, integer buffers included, in float32 (not the simulator's clip), and the
+adaptive bit marks a *clipped* update (Andrew et al. count the unclipped); the ``DifferentialPrivacy*Clipping``
+wrappers wrap a strategy's ``configure_train`` / ``aggregate_train`` (fedlt's rounds run through its driver), use a
+fixed client count (no Poisson sampling) and numpy's unseeded noise, and account FedAvg without amplification
+only. Both sides run :mod:`fedlt.core.dp`'s functions instead.
 
 The client state (personal heads, personal models, control variates) lives in ``context.state`` and never
 enters a reply. It belongs to the fedlt run (the ``fedlt-run`` id of every message, kept in the run directory),
@@ -49,6 +64,7 @@ from flwr.app import Context, Message as FlwrMessage, RecordDict
 from flwr.clientapp import ClientApp
 
 from ...config import RunConfig
+from ...core.dp import client_reply, phase_reply
 from ...core.method import Message, Method, RunSpec
 from ...core.spec import milestones_text
 from ...core.state import tree_of
@@ -57,10 +73,11 @@ from ...data.partition import partition_settings
 from ...core.training import autocast
 from ..driver import PHASE, TRAIN, client_generator
 from ...errors import ConfigError, DataError
-from ...metrics import as_modes, client_reports, client_split
+from ...metrics import GROUPS, as_modes, client_reports, client_split
 from ...plugins import method_class
 from .records import (control, enter_session, from_records, load_client_state, records_value, save_client_state,
                       to_records)
+from .secagg import client_mod as secagg_mod
 
 app = ClientApp()
 
@@ -115,18 +132,24 @@ def _method(job: Job, device: str) -> Method:
     return _METHODS[key]
 
 
-def _partition_client(job: Job, pid: int, device: str) -> ClientData:
+def partition_federation(cfg: RunConfig, device: str):
+    """The federation the run's settings describe (whose client K a SuperNode with ``partition-id=K`` serves),
+    built once per process."""
     from ...runner.rundir import federation_for
 
-    cfg = job.cfg
-    if not 0 <= pid < cfg.clients:
-        raise ConfigError(f"partition-id {pid} is outside the run's {cfg.clients} clients; use 0..{cfg.clients - 1}")
     key = json.dumps([cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes, cfg.n_max,
                       cfg.partition, partition_settings(cfg.partition, cfg), cfg.partition_file, cfg.dataset_kw(),
                       cfg.clients, cfg.seed, cfg.client_test_fraction, device], sort_keys=True, default=str)
     if key not in _FEDS:
         _FEDS[key] = federation_for(RunConfig(**{**cfg.to_dict(), "device": device}))
-    return _FEDS[key].clients[pid]
+    return _FEDS[key]
+
+
+def _partition_client(job: Job, pid: int, device: str) -> ClientData:
+    cfg = job.cfg
+    if not 0 <= pid < cfg.clients:
+        raise ConfigError(f"partition-id {pid} is outside the run's {cfg.clients} clients; use 0..{cfg.clients - 1}")
+    return partition_federation(cfg, device).clients[pid]
 
 
 def load_client_dir(path: str, cid: int, spec: RunSpec, prep: Prep) -> ClientData:
@@ -234,20 +257,27 @@ class Node:
 @app.query("describe")
 def describe(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
+    if node.job.cfg.dp == "client":  # nothing of its data: its label counts would reveal its label distribution
+        return node.reply(msg, partition=node_setting(context, "partition-id") is not None)
     return node.reply(msg, counts=[int(c) for c in node.data.counts], **{"test-size": len(node.data.test_y),
                                                                           "num-examples": len(node.data)})
 
 
-@app.train()
+@app.train(mods=[secagg_mod])  # a SecAgg+ round's messages through Flower's secaggplus_mod (--secagg)
 def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
     ctl = control(msg.content)
     rnd = int(ctl["round"])
     gen = client_generator(node.job.cfg.seed, TRAIN, rnd, node.cid)
+    payload = from_records(msg.content)
     with autocast(node.method.spec):
-        reply, cstate = node.method.local_train(from_records(msg.content), node.client_state(context), node.data,
-                                                gen)
+        reply, cstate = node.method.local_train(payload, node.client_state(context), node.data, gen)
     node.save(context, cstate, rnd)
+    if node.job.cfg.dp == "client":  # clipped before it leaves the SuperNode; its statistics stay here
+        if "dp-clip" not in ctl:
+            raise ConfigError("--dp client: the train message carries no clip (dp-clip), so the update cannot be "
+                              "clipped here: the server runs another fedlt")
+        reply, _ = client_reply(payload.arrays, reply, float(ctl["dp-clip"]), f"client {node.cid}", bit=True)
     return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 
@@ -261,6 +291,8 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
         reply, cstate = node.method.phase_client(name, from_records(msg.content), node.client_state(context),
                                                  node.data, gen)
     node.save(context, cstate, node.job.cfg.rounds + 1 + index)
+    if node.job.cfg.dp == "client":
+        reply = phase_reply(name, f"client {node.cid}", reply)
     return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 
@@ -285,6 +317,8 @@ def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
     gsplit = {g: np.asarray(v, dtype=np.int64) for g, v in json.loads(str(ctl["gsplit"])).items()}
     csplit = client_split(node.data.counts, str(ctl["split"]), gsplit)
     reports = client_reports(pp, node.data, m.spec.num_classes, csplit)
+    if node.job.cfg.dp == "client":  # what PM aggregates, not which classes its test set holds
+        reports = {mode: {k: rep[k] for k in ("acc", *GROUPS)} for mode, rep in reports.items()}
     return node.reply(msg, source=source, reports=json.dumps(reports))
 
 

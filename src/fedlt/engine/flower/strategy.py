@@ -4,9 +4,11 @@
 driver (``fedlt.engine.driver``), the one round loop of every engine, with :class:`GridTransport` carrying its
 messages:
 
-1. ``query.describe`` to every SuperNode: each says its client id, label counts and test-set size; the run
-   waits until the run's ``clients`` distinct ids are there (``wait_timeout``), then writes ``config.json``
-   and ``partition.json``. SuperNodes that appear later (a restart) are described at the start of a round.
+1. ``query.describe`` to every SuperNode: each says its client id, label counts and test-set size (under
+   ``--dp client`` its client id and whether it serves a client of the run's partition, nothing of its data:
+   :meth:`FedltStrategy._counts`); the run waits until the run's ``clients`` distinct ids are there
+   (``wait_timeout``), then writes ``config.json`` and ``partition.json``. SuperNodes that appear later (a
+   restart) are described at the start of a round.
 2. every round, phase and evaluation of the driver: one message per client (``train`` with the round's lr,
    ``train.phase``, ``evaluate`` with ``method.eval_payload``); the replies that come back within
    ``round_timeout`` count, failed or silent clients are recorded as missing. GM is computed on the server
@@ -15,7 +17,9 @@ messages:
    missing clients of every round in ``summary.json``.
 
 The classic ``Strategy.start`` also works (training rounds and the per-round evaluation through
-``configure_*`` / ``aggregate_*``), but only :meth:`run` does the phases and writes the run directory.
+``configure_*`` / ``aggregate_*``), but only :meth:`run` does the phases, ``--secagg`` (Flower's SecAgg+ in the
+training rounds: ``fedlt.engine.flower.secagg``), ``--dp client`` (the ClientApp clips, the driver checks each reply
+and adds the noise: ``fedlt.core.dp``) and writes the run directory.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from ...errors import ConfigError
 from ...runner.rundir import make_spec, run_dir_for, run_recorded
 from ...metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
 from ...plugins import method_class
-from .client_app import global_state_records, job_text
+from .client_app import global_state_records, job_text, partition_federation
 from .records import control, from_records, load_client_state, save_client_state, state_tag, to_records
 from .settings import FLOWER_DEFAULTS
 
@@ -70,15 +74,19 @@ class FedltStrategy(Strategy):
         if getattr(cls, "needs_pool", False):
             raise ConfigError(f"method {cfg.method} trains on all clients' data pooled in one place, which a "
                               f"federation of SuperNodes does not have; run it with `fedlt run`")
-        if cfg.dp != "off":  # the clipping belongs on the SuperNodes, which do not do it yet (issue 43)
-            raise ConfigError("--dp client runs in the simulator (`fedlt run`) for now: on Flower the clients' "
-                              "updates would reach the server unclipped; drop --dp or use `fedlt run`")
+        if cfg.dp == "sample":  # DP-SGD's accountants live beside the clients' training, in the simulator's process
+            raise ConfigError("--dp sample runs in the simulator (`fedlt run`) for now: on Flower the SuperNodes "
+                              "would train without DP-SGD; use `fedlt run`, or --dp client")
         self.method: Method = cls(self.spec, cls.make_params(cfg.params, cfg.allow_large))
         self.job = job_text(cfg, self.spec, self.prep)
         self.transport = GridTransport(self)
         self.driver = Driver(self.method, EngineConfig.of(cfg, progress=False), self.transport, cfg.clients)
         self.driver.echo = echo
-        self.driver.client_counts = lambda: self.fed.counts  # known once the SuperNodes have described themselves
+        # known once the SuperNodes have described themselves; under --dp client they do not say them
+        self.driver.client_counts = None if cfg.dp == "client" else lambda: self.fed.counts
+        if self.driver.client_counts is None and self.driver.cfg.faults is not None:
+            raise ConfigError("--speed-sigma and --speed-file time each client's round by its number of samples, "
+                              "which under --dp client the SuperNodes do not send: drop them, or use `fedlt run`")
         self.nodes: dict[int, int] = {}  # client id -> node id (the latest SuperNode that said it is that client)
         self.described: set[int] = set()  # node ids that said who they are
         self.failed_nodes: dict[int, str] = {}  # node id -> why its describe failed (it is asked again)
@@ -176,8 +184,9 @@ class FedltStrategy(Strategy):
                     if cid in self.nodes and self.nodes[cid] != node:
                         self.echo(f"client {cid} is now on SuperNode {node} (was {self.nodes[cid]})")
                     self.nodes[cid] = node
-                    self.info[cid] = {"counts": [int(c) for c in ctl["counts"]], "test_size": int(ctl["test-size"]),
-                                      "num_examples": int(ctl["num-examples"])}
+                    self.info[cid] = {"partition": bool(ctl["partition"])} if self.cfg.dp == "client" else \
+                        {"counts": [int(c) for c in ctl["counts"]], "test_size": int(ctl["test-size"]),
+                         "num_examples": int(ctl["num-examples"])}
             if not wait or len(self.nodes) >= K:
                 return
             if time.monotonic() >= end:
@@ -189,7 +198,23 @@ class FedltStrategy(Strategy):
             time.sleep(self.poll_interval)
 
     def _counts(self) -> None:
+        """The federation's label counts, from the SuperNodes' describe replies. Under ``--dp client`` they send
+        none: the server knows the class totals only (which define many/medium/few), from the run's settings where
+        every SuperNode serves a client of the run's partition (``partition-id``: the simulator's federation); with
+        SuperNodes holding their own data (``data-dir``) not at all, and GM's group accuracies are left out (a
+        note says so). The clients' own counts stay unknown (``partition.json`` has none)."""
         K, C = self.cfg.clients, self.fed.num_classes
+        if self.cfg.dp == "client":
+            if all(inf["partition"] for inf in self.info.values()):
+                self.fed.train_counts = partition_federation(self.cfg, self.spec.device).train_counts
+                return
+            if self.cfg.split != "fedloge":
+                raise ConfigError(f"--split {self.cfg.split} takes its groups from the federation's class totals, "
+                                  f"which under --dp client SuperNodes holding their own data (data-dir) do not "
+                                  f"send; use --split fedloge (each client's groups from its own counts)")
+            self.echo("note: under --dp client SuperNodes with their own data (data-dir) send no label counts: the "
+                      "federation's class totals are unknown, so GM has no many/medium/few accuracies")
+            return
         counts = np.zeros((K, C), np.int64)
         for cid, inf in self.info.items():
             counts[cid] = inf["counts"]
@@ -198,6 +223,10 @@ class FedltStrategy(Strategy):
     # ------------------------------------------------------------------ Flower Strategy interface
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[FlwrMessage]:
+        if self.cfg.secagg:  # SecAgg+ runs in the driver's rounds (GridTransport), not in Strategy.start's
+            raise ConfigError("--secagg runs through FedltStrategy.run (fedlt flower ...), not Strategy.start")
+        if self.cfg.dp != "off":  # the noise and the check of the clipped replies are the driver's
+            raise ConfigError("--dp runs through FedltStrategy.run (fedlt flower ...), not Strategy.start")
         if not self.nodes:  # called by Strategy.start(): learn the clients first
             self.connect(grid)
             self._counts()
@@ -306,7 +335,8 @@ class FedltStrategy(Strategy):
         self.driver.after_round.append(say)
         with owned_run_dir(out):
             return run_recorded(self.driver, cfg, out, config, self.fed,
-                                [self.info[c]["test_size"] for c in sorted(self.info)], self.echo,
+                                [self.info[c]["test_size"] for c in sorted(self.info) if "test_size" in self.info[c]],
+                                self.echo,
                                 checkpoint_every=checkpoint_every, resume=resume, engine="flower")
 
 
@@ -350,16 +380,37 @@ class GridTransport:
         return (index - 1 if kind == TRAINING else self.st.cfg.rounds + index), written
 
     def messages(self, kind: str, index: int, payloads: dict[int, Message]) -> dict[int, FlwrMessage]:
-        """One Flower message per client: a round's ``train`` (its round) or a phase's ``train.phase`` (its name
-        and index), what the ClientApp's two handlers read; the round's lr is in each payload's config."""
+        """One Flower message per client: a round's ``train`` (its round, and under ``--dp client`` the round's
+        clip, ``dp-clip``, which adaptive clipping moves) or a phase's ``train.phase`` (its name and index), what the
+        ClientApp's two handlers read; the round's lr is in each payload's config."""
         st = self.st
         ctl = {"round": index} if kind == TRAINING else {"phase": kind, "index": index}
+        if kind == TRAINING and self.clips:
+            ctl["dp-clip"] = float(st.driver.dp.clip)
         mtype, group = ("train", str(index)) if kind == TRAINING else ("train.phase", f"phase-{index}")
         bound, _ = self._tag(kind, index)
         return {cid: st._message(p, cid, mtype, {**ctl, **self.state_control(cid, bound)}, group)
                 for cid, p in payloads.items()}
 
+    @property
+    def clips(self) -> bool:
+        """Whether the clients clip their updates themselves (``--dp client``: the ClientApp's ``train``,
+        :func:`fedlt.core.dp.client_reply`), so that the driver checks them instead (``ClientDP.arrived``)."""
+        return self.st.cfg.dp == "client"
+
+    @property
+    def secagg(self) -> bool:
+        """Whether the training rounds run Flower's SecAgg+ (``--secagg``: :func:`.secagg.secure_round`), which the
+        driver then does not simulate."""
+        return bool(self.st.cfg.secagg)
+
     def send_and_receive(self, kind: str, index: int, payloads: dict[int, Message]):
+        if kind == TRAINING and self.secagg:
+            from .secagg import secure_round
+
+            replies, why = secure_round(self, index, payloads)
+            self.at = index
+            return replies, why
         got, why = self.st.exchange(self.grid, self.messages(kind, index, payloads), self.st.round_timeout)
         _, written = self._tag(kind, index)
         self.at = written

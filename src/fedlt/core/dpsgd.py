@@ -1,0 +1,321 @@
+"""Sample-level differential privacy: DP-SGD on each client (Abadi et al., CCS 2016) with opacus, ``--dp sample``.
+
+What it protects: one training sample of one client. Everything a client sends over the run is
+(epsilon_i, delta)-DP with respect to adding or removing one of its samples; ``epsilon_i`` is that client's own,
+from its own accountant, and the run reports the largest (the worst client's). It says nothing about a client's
+participation as a whole (that is ``--dp client``, :mod:`fedlt.core.dp`).
+
+A client's local training -- the method's described steps (:class:`fedlt.core.steps.LocalSteps`), which
+:func:`fedlt.core.steps.run_steps` hands to :meth:`SampleDP.run_steps` -- runs as DP-SGD:
+
+- **batches**: Poisson sampling, as the accountant assumes: each of the client's ``n`` samples is in a step's batch
+  with probability ``q = 1 / L`` independently (``L``: the number of batches of one of its epochs at
+  ``--batch-size``; opacus's ``DPDataLoader`` takes ``sample_rate = 1 / len(data_loader)``), drawn by opacus's
+  ``UniformWithReplacementSampler`` from the client's generator, ``L`` steps an epoch (a batch may be empty);
+- **per-sample gradients** of the method's loss on one sample (``torch.func``: ``vmap`` of ``grad`` over the
+  batch, the computation of opacus's functorch grad sampler, here over the whole loss: a proximal term or a
+  trained extra tensor, which opacus's module hooks would not see, is per sample too);
+- **clip, noise, average**: opacus's ``DPOptimizer`` around the step's SGD: each sample's gradient (over every
+  trained tensor) clipped to L2 norm ``C`` (``--dp-clip``), ``N(0, (z C)^2 I)`` added to the batch's sum, divided by
+  the expected batch size ``n q``; then the run's SGD step (momentum, weight decay: post-processing);
+- **the accountant**: opacus's ``RDPAccountant``, one per client, stepped by the optimiser's hook at every step
+  (its history: ``(z, q, steps)``), converted to epsilon at ``delta`` over opacus's default orders.
+
+The noise multiplier: ``--dp-noise z`` for every client, or ``--dp-epsilon E``: each client's own ``z_i`` solved by
+opacus's ``get_noise_multiplier`` for its ``q_i`` and its steps over the whole run (its rounds in the sampling
+schedule, which is drawn from the seed before the run, times its steps a round), so that every client ends at or
+below ``E``. ``delta``: ``--dp-delta``, else ``1 / n_max^1.1`` for every client (``n_max``: the largest client's
+number of samples), below ``1 / n_i`` for every client.
+
+What leaves a client: its model, trained only by these steps from what it received and from state that earlier
+such steps made (covered); ``num_examples`` ``n_i`` (treated as public, as in DP-SGD's analysis, where the sampling
+rate is set from it; the summary lists every ``q_i``); nothing else -- the loss statistics stay on the client, and a
+post-training phase sends its count only. A part of the model that never leaves the client (a personal head) is
+trained by the same DP-SGD where the described steps train it.
+
+Which methods: those whose class declares ``dp_sample = True`` (:func:`declared`): their local training that shapes
+what the clients send runs only through described steps, and their loss of one sample reads nothing of the
+client's other samples (class counts or priors of its data in the loss would let one sample move every other
+sample's gradient). A subclass that changes a client hook without declaring it again is not covered. BatchNorm
+models are refused (:func:`check_model`): a sample's output there depends on its batch.
+
+Not batched: the clients of a round train one after another under ``--dp sample`` (``--client-parallel auto`` falls
+back to that, ``--client-parallel N`` and ``--workers`` are refused); each client's per-sample gradients are
+vectorised over its batch.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.func import grad_and_value, vmap
+
+from ..errors import ConfigError
+from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_loss, stats_of
+from .training import Meter
+
+HOOKS = ("init_client", "local_steps", "local_train", "local_reply")  # a class changing one declares again
+WORKING_MODELS = "smallcnn, cnn-mcmahan, vgg11 or mlp"
+
+
+def require() -> Any:
+    """The opacus package, or a one-line error that says how to install it."""
+    try:
+        import opacus
+    except ImportError:
+        raise ConfigError("--dp sample needs the opacus package (DP-SGD and its accountant): pip install "
+                          "'fedlt[privacy]'") from None
+    return opacus
+
+
+def declared(cls) -> bool:
+    """Whether method class ``cls`` runs under ``--dp sample``: the nearest class of its MRO that sets
+    ``dp_sample`` says so, unless a class below it changes a client hook (:data:`HOOKS`) without setting it again."""
+    from .method import declared as flag
+
+    return flag(cls, "dp_sample", HOOKS)
+
+
+def check_model(model: torch.nn.Module, name: str) -> None:
+    """A model DP-SGD cannot train (BatchNorm: each sample's output depends on its batch; opacus's
+    ``ModuleValidator`` finds them): one line naming models that work."""
+    require()
+    from opacus.validators import ModuleValidator
+
+    was = model.training
+    errors = ModuleValidator.validate(model.train(), strict=False)
+    model.train(was)
+    norms = [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if norms or errors:
+        what = "BatchNorm layers (a sample's output depends on the others in its batch)" if norms else \
+            str(errors[0]).split(". ")[0]
+        raise ConfigError(f"--dp sample cannot train model {name}: it has {what}, which per-sample gradients "
+                          f"cannot bound; use --model {WORKING_MODELS}")
+
+
+def default_delta(sizes) -> float:
+    """delta when --dp-delta is not given: 1 / n_max^1.1 (n_max: the largest client's samples), below 1 / n_i for
+    every client."""
+    return 1.0 / float(max(sizes)) ** 1.1
+
+
+def batches_per_epoch(n: int, batch_size: int) -> int:
+    """L: the batches of one of fedlt's epochs over ``n`` samples (``len(data_loader)`` for opacus)."""
+    from ..data.federated import batch_bounds
+
+    return max(1, len(batch_bounds(n, batch_size)))
+
+
+@functools.lru_cache(maxsize=4096)
+def epsilon_of(history: tuple, delta: float) -> float:
+    """opacus's ``RDPAccountant.get_epsilon(delta)`` for a history of ``(noise_multiplier, sample_rate, steps)``."""
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.history = [tuple(h) for h in history]
+    return float(acc.get_epsilon(delta))
+
+
+@functools.lru_cache(maxsize=4096)
+def noise_for(target: float, delta: float, rate: float, steps: int) -> float:
+    """opacus's ``get_noise_multiplier`` (RDP, its tolerance 0.01): the noise whose epsilon after ``steps`` steps at
+    ``rate`` is at most ``target``; a budget it cannot meet is one line."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    try:
+        return float(get_noise_multiplier(target_epsilon=target, target_delta=delta, sample_rate=rate, steps=steps,
+                                          accountant="rdp"))
+    except ValueError:
+        raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {steps} DP-SGD steps at sampling rate "
+                          f"{rate:.3g}: raise it, or train fewer rounds or local epochs") from None
+
+
+def per_sample_grads(method, steps: LocalSteps, run: StepRun, part_names: list[str]) -> Callable:
+    """``f(tp, x, y) -> (grads, (losses, [loss, *parts] per sample))``: the gradient of the described loss of each
+    sample of the batch ``(x, y)`` alone, with respect to the trained tensors ``tp`` (by name), vectorised over the
+    batch; the other model tensors and the constant extras as they are now."""
+    net, groups = run.net, run.groups
+    train_model = [n for n in run.params if n in groups]
+    train_extra = [n for n in run.extra if n in groups]
+    fixed = {n: t.detach() for n, t in (*net.named_parameters(), *net.named_buffers()) if n not in groups}
+    const = {n: t for n, t in run.extra.items() if n not in groups}
+    frozen = frozen_net(method)
+
+    def one(tp, x, y):
+        model = {n: tp[n] for n in train_model}
+        view = StepModel(net, model, frozen, {**fixed, **model})
+        total, parts = split_loss(steps.loss(view, x[None], y[None], {**const, **{n: tp[n] for n in train_extra}}))
+        part_names[:] = list(parts)
+        return total, torch.stack([total, *parts.values()]).detach()
+
+    return vmap(grad_and_value(one, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+
+
+class SampleDP:
+    """The run's sample-level DP (``--dp sample``): the clip, each client's noise multiplier and accountant, and
+    DP-SGD for a client's described steps (:meth:`run_steps`); the driver's DP interface besides (the replies as
+    they leave, the round's record, the checkpoint, the summary's table)."""
+
+    def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
+                 schedule: list[list[int]], sizes: Callable[[], Any]):
+        require()
+        self.clip, self.noise, self.target, self._delta = float(clip), noise, target, delta
+        self.rounds_of: dict[int, int] = {}  # each client's rounds in the sampling schedule (--dp-epsilon)
+        for cids in schedule:
+            for c in cids:
+                self.rounds_of[c] = self.rounds_of.get(c, 0) + 1
+        self.sizes = sizes  # () -> every client's number of samples (read when first needed)
+        self.histories: dict[int, list] = {}  # each client's accountant history [(z, q, steps)]
+        self.noises: dict[int, float] = {}
+        self.rates: dict[int, float] = {}
+        self.norms: list[torch.Tensor] = []  # this round's per-sample gradient norms (before clipping)
+
+    @property
+    def delta(self) -> float:
+        if self._delta is None:
+            self._delta = default_delta(np.asarray(self.sizes()))
+        return float(self._delta)
+
+    # ------------------------------------------------------------------------------------------- the client
+    def noise_of(self, cid: int, rate: float, per_round: int) -> float:
+        """Client ``cid``'s noise multiplier: --dp-noise, or solved for --dp-epsilon over its steps in the run."""
+        if cid not in self.noises:
+            self.noises[cid] = float(self.noise) if self.noise is not None else \
+                noise_for(float(self.target), self.delta, rate, per_round * max(1, self.rounds_of.get(cid, 1)))
+        return self.noises[cid]
+
+    def run_steps(self, method, steps: LocalSteps, data, gen: torch.Generator, lr: float | None = None) -> Trained:
+        """One client's described steps as DP-SGD (the module doc): Poisson batches, per-sample gradients, opacus's
+        DPOptimizer around the run's SGD, the client's accountant stepped at every step."""
+        from opacus.accountants import RDPAccountant
+        from opacus.optimizers import DPOptimizer
+        from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+        spec = method.spec
+        cid, n = int(data.client_id), len(data)
+        L = batches_per_epoch(n, spec.batch_size)
+        rate, epochs = 1.0 / L, spec.local_epochs if steps.epochs is None else steps.epochs
+        z = self.noise_of(cid, rate, epochs * L)
+        run = StepRun(method, steps, lr)
+        run.net.train()
+        trained = [run.live[k] for k in run.groups]
+        dev = trained[0].device if trained else torch.device(spec.device)
+        noise_gen = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        opt = DPOptimizer(run.opt, noise_multiplier=z, max_grad_norm=self.clip, expected_batch_size=n * rate,
+                          generator=noise_gen)
+        acc = RDPAccountant()
+        acc.history = [tuple(h) for h in self.histories.get(cid, [])]
+        opt.attach_step_hook(acc.get_optimizer_hook_fn(sample_rate=rate))
+        part_names: list[str] = []
+        grads_of = per_sample_grads(method, steps, run, part_names)
+        sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=rate, generator=gen, steps=L)
+        meter, norms, done = Meter(), [], 0
+        for _ in range(epochs):
+            for idx in sampler:
+                opt.zero_grad(set_to_none=True)
+                if idx:
+                    x, y = data.sample_batch(torch.tensor(idx, dtype=torch.long), gen, train=True)
+                    grads, (_, vec) = grads_of({k: t.detach() for k, t in zip(run.groups, trained)}, x, y)
+                    for k, t in zip(run.groups, trained):
+                        t.grad_sample = grads[k]
+                    norms.append(torch.stack([g.reshape(len(g), -1).norm(2, dim=1) for g in grads.values()], 1)
+                                 .norm(2, dim=1))
+                    meter.add(vec.mean(0))
+                else:  # an empty Poisson batch: the step is the noise alone (opacus's empty-batch case)
+                    for t in trained:
+                        t.grad_sample = t.new_zeros((0, *t.shape))
+                with torch.autocast(dev.type, enabled=False):  # opacus's clip and sum in the parameters' dtype
+                    opt.step()
+                done += 1
+        for t in trained:  # nothing of the per-sample gradients outlives the steps
+            t.grad_sample = t.summed_grad = None
+        self.histories[cid], self.rates[cid] = [tuple(h) for h in acc.history], rate
+        if norms:
+            self.norms.append(torch.cat(norms).detach().cpu())
+        means = meter.mean() if meter.steps else [0.0] * (1 + len(part_names))
+        return run.trained(stats_of(part_names, means, done))
+
+    # ------------------------------------------------------------------------------------------- the driver
+    def client_side(self, payloads: dict, replies: list) -> list:
+        """Each reply as its client sends it: the model it trained by DP-SGD and ``num_examples``; its training
+        statistics stay with it."""
+        from .method import Message
+
+        out = [(cid, Message(r.arrays, {k: r.meta[k] for k in ("num_examples",) if k in r.meta}))
+               for cid, r in replies]
+        return out
+
+    def phase_side(self, phase: str, replies: list) -> list:
+        """A post-training phase's replies: ``num_examples`` only (what such a phase may send is its size and
+        statistics, :func:`fedlt.core.dp.unprotected`)."""
+        from .method import Message
+
+        for cid, reply in replies:
+            if reply.arrays:
+                raise ConfigError(f"--dp sample: client {cid} sends {', '.join(sorted(reply.arrays)[:3])} in phase "
+                                  f"{phase}, which DP-SGD did not train; this method cannot run under --dp sample")
+        return [(cid, Message({}, {k: r.meta[k] for k in ("num_examples",) if k in r.meta})) for cid, r in replies]
+
+    def server_side(self, replies: list, gen: torch.Generator) -> list:
+        """Nothing: the noise was added on the clients."""
+        return replies
+
+    def client_epsilon(self, cid: int) -> float:
+        h = self.histories.get(cid)
+        return epsilon_of(tuple(map(tuple, h)), self.delta) if h else 0.0
+
+    def worst(self) -> tuple[int | None, float]:
+        """The client with the largest epsilon so far, and its epsilon (None, 0 before any step)."""
+        eps = {c: self.client_epsilon(c) for c in self.histories}
+        if not eps:
+            return None, 0.0
+        c = max(eps, key=lambda k: (eps[k], -k))
+        return c, eps[c]
+
+    def epsilon(self, rounds: int) -> float:
+        """The worst client's epsilon after the rounds done (``rounds`` is the driver's; the accountants hold them)."""
+        return self.worst()[1]
+
+    def over_budget(self, rnd: int) -> str | None:
+        return None  # --dp-budget applies to --dp client (a relation of fedlt.config)
+
+    def record(self) -> dict:
+        """The round's DP fields of metrics.jsonl: the worst client so far, the share of per-sample gradients the
+        clip shortened and their median norm before clipping (the number to tune --dp-clip to)."""
+        norms = torch.cat(self.norms) if self.norms else torch.zeros(0)
+        self.norms = []
+        return {"dp_worst_client": self.worst()[0],
+                "dp_clipped": float((norms > self.clip).double().mean()) if len(norms) else 0.0,
+                "dp_grad_norm": float(norms.median()) if len(norms) else None}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: every client's accountant history, noise multiplier and sampling rate."""
+        return {"histories": {c: [list(h) for h in v] for c, v in self.histories.items()},
+                "noises": dict(self.noises), "rates": dict(self.rates)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.histories = {int(c): [tuple(h) for h in v] for c, v in d.get("histories", {}).items()}
+        self.noises = {int(c): float(v) for c, v in d.get("noises", {}).items()}
+        self.rates = {int(c): float(v) for c, v in d.get("rates", {}).items()}
+
+    def table(self, rounds: int) -> dict:
+        """summary.json's ``dp``: the worst client's epsilon, and every client's accountant inputs, to recompute
+        each with opacus."""
+        opacus = require().__version__
+        sizes = np.asarray(self.sizes())
+        worst, eps = self.worst()
+        return {"level": "sample", "epsilon": eps, "worst_client": worst, "delta": self.delta,
+                "noise_multiplier": self.noise, "target_epsilon": self.target, "clip": self.clip, "rounds": rounds,
+                "clients": {c: {"samples": int(sizes[c]), "sample_rate": self.rates[c],
+                                "noise_multiplier": self.noises[c], "steps": int(sum(h[2] for h in self.histories[c])),
+                                "history": [list(h) for h in self.histories[c]], "epsilon": self.client_epsilon(c)}
+                            for c in sorted(self.histories)},
+                "sampling": "Poisson: each sample in a step with probability sample_rate = 1 / (its batches an "
+                            "epoch), 1 / sample_rate steps an epoch (opacus UniformWithReplacementSampler)",
+                "adjacency": "add or remove one sample of one client",
+                "mechanism": f"opacus {opacus} DPOptimizer: per-sample gradients clipped to clip, "
+                             f"N(0, (noise_multiplier clip)^2) on their sum, divided by samples x sample_rate",
+                "accountant": f"opacus {opacus} RDPAccountant (its default orders), one per client, "
+                              f"history [(noise_multiplier, sample_rate, steps)], get_epsilon(delta)"}

@@ -1,0 +1,148 @@
+"""--dp client on the Flower engine: the ClientApp clips each update before it leaves the SuperNode and sends none of
+its statistics, the server checks what arrives instead of clipping it and adds the simulator's noise, so an in-process
+Flower run is the simulator's run (same Poisson sampling, noise, clip, epsilon, model); describe sends no label
+counts, and SuperNodes with their own data run without them."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+pytest.importorskip("dp_accounting")
+
+from conftest import small_config  # noqa: E402
+from fedlt.core.dp import UNCLIPPED, ClientDP, client_reply  # noqa: E402
+from fedlt.core.method import Message  # noqa: E402
+from fedlt.engine.flower.inprocess import run_inprocess  # noqa: E402
+from fedlt.engine.flower.records import control, from_records  # noqa: E402
+from fedlt.errors import ConfigError  # noqa: E402
+from fedlt.metrics import GROUPS  # noqa: E402
+from fedlt.runner import rundir  # noqa: E402
+from fedlt.runner.rundir import federation_for  # noqa: E402
+from fedlt.runner.runstate import load_final_state  # noqa: E402
+
+DP = dict(dp="client", dp_clip=0.5, dp_noise=0.3, clients=6, participation=0.5, rounds=3, eval_every=3,
+          local_epochs=1, threads=1)
+CASES = {"fixed": {}, "adaptive": {"dp_clip_quantile": 0.5, "dp_count_noise": 1.0},
+         "secagg": {"secagg": True, "clients": 4, "participation": 1.0, "rounds": 2, "eval_every": 2}}
+QUIET = dict(echo=lambda *a: None)
+
+
+def _timeless(x):
+    if isinstance(x, dict):
+        return {k: _timeless(v) for k, v in x.items() if "time" not in k}
+    return [_timeless(v) for v in x] if isinstance(x, list) else x
+
+
+def _lines(run, name):
+    return [_timeless(json.loads(x)) for x in (run / name).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dp_on_flower_is_the_simulators_run_and_no_unclipped_update_reaches_the_server(tmp_path, case):
+    over = {**DP, **CASES[case]}
+    sim = rundir.run(small_config(**over, out=str(tmp_path), name="sim"), progress=False, **QUIET)
+    st, grid, fl = run_inprocess(small_config(**over, out=str(tmp_path), name="fl"), **QUIET)
+    ref = load_final_state(tmp_path / "sim")["state"]["weights"]
+    assert all(torch.equal(st.state.weights[k], ref[k]) for k in ref)  # the model, bit for bit
+    a, b = _lines(tmp_path / "sim", "metrics.jsonl"), _lines(tmp_path / "fl", "metrics.jsonl")
+    norms = [r.pop("dp_update_norm") for r in a if "round" in r]  # the server's, in the simulator
+    assert [r.pop("dp_update_norm") for r in b if "round" in r] == [None] * len(norms)  # they stay on the clients
+    assert a == b  # the same clients (Poisson sampling), noise, clips, epsilons, metrics
+    assert fl["dp"] == sim["dp"] and _timeless(fl["final"]) == _timeless(sim["final"])
+    assert _lines(tmp_path / "sim", "sent.jsonl") == _lines(tmp_path / "fl", "sent.jsonl")
+    assert any(r["dp_clipped"] > 0 for r in a if "round" in r)  # the clip shortened updates
+    for m in grid.replied:  # describe: the client id and whether it serves the partition, nothing of its data
+        if m.metadata.message_type == "query.describe":
+            assert set(control(m.content)) == {"client-id", "partition"}
+        if m.metadata.message_type == "evaluate":  # what PM aggregates, no per-class accuracies
+            reports = json.loads(str(control(m.content)["reports"]))
+            assert reports and all(set(rep) == {"acc", *GROUPS} for rep in reports.values())
+    if case == "secagg":
+        return  # its train replies are SecAgg+'s masked vectors (tests/test_secagg.py)
+    asked = {m.metadata.message_id: m for m in grid.delivered}
+    seen = []
+    for m in grid.replied:
+        if m.metadata.message_type != "train":
+            continue
+        ask = asked[m.metadata.reply_to_message_id]
+        clip, base, got = float(control(ask.content)["dp-clip"]), from_records(ask.content), from_records(m.content)
+        norm = sum(float((got.arrays[k].double() - base.arrays[k].double()).pow(2).sum()) for k in got.arrays) ** 0.5
+        assert norm <= clip + 1e-5, (norm, clip)  # as it arrives at the server
+        assert got.meta == {"num_examples": 1, UNCLIPPED: got.meta[UNCLIPPED]}  # no loss, no size
+        seen.append(got.meta[UNCLIPPED])
+    assert len(seen) == sum(len(r["clients"]) for r in a if "round" in r) and 0 in seen
+
+
+def test_the_server_checks_the_clients_clipping_and_uses_no_reply_that_was_not_clipped():
+    """What the clients clipped (client_reply with the bit), checked by ClientDP.arrived, gives the server the
+    simulator's round (client_side: clipped there), bit for bit, adaptive clip included; a reply whose update is
+    longer than the clip, or that carries statistics, is not used and says why."""
+    gen = torch.Generator().manual_seed(0)
+    w = {"a": torch.randn(50, generator=gen), "n": torch.tensor(3)}
+    raw = [(c, Message({"a": w["a"] + s * torch.randn(50, generator=gen), "n": torch.tensor(9)},
+                       {"num_examples": 40 + c, "loss": 0.5})) for c, s in enumerate((0.01, 1.0, 5.0))]
+    payloads = {c: Message(w, {}) for c, _ in raw}
+    sim, fl = (ClientDP(1.0, 0.7, None, 1e-5, None, 10, 3, 5, quantile=0.5, count_noise=2.0) for _ in range(2))
+    want = sim.server_side(sim.client_side(payloads, raw), torch.Generator().manual_seed(1))
+    sent = [(c, client_reply(w, r, fl.clip, f"client {c}", bit=True)[0]) for c, r in raw]
+    arrived, why = fl.arrived(payloads, sent)
+    got = fl.server_side(arrived, torch.Generator().manual_seed(1))
+    assert why == {} and [c for c, _ in got] == [c for c, _ in want]
+    assert all(torch.equal(x.arrays[k], y.arrays[k]) and x.meta == y.meta == {"num_examples": 1}
+               for (_, x), (_, y) in zip(got, want) for k in w)
+    assert fl.clip == sim.clip != 1.0 and fl.record() == {**sim.record(), "dp_update_norm": None}
+    bad = [(0, sent[0][1]), (1, Message(raw[1][1].arrays, {"num_examples": 1, UNCLIPPED: 1})),
+           (2, Message(sent[2][1].arrays, {**sent[2][1].meta, "loss": 0.5}))]
+    arrived, why = fl.arrived(payloads, bad)
+    assert [c for c, _ in arrived] == [0] and set(why) == {1, 2}
+    assert "passes the clip" in why[1] and "loss" in why[2] and "\n" not in why[1] + why[2]
+
+
+def test_supernodes_with_their_own_data_run_dp_without_label_counts(tmp_path):
+    """SuperNodes holding their own data (data-dir) under --dp client: the server knows no class totals, so GM has
+    no group accuracies (said once) and --split fixed, which needs them, is one line; the run is the partition's."""
+    over = dict(DP, clients=3, participation=1.0, rounds=2, eval_every=2)
+    nodes = []
+    for c in federation_for(small_config(**over)).clients:
+        d = tmp_path / f"client{c.client_id}"
+        d.mkdir()
+        np.savez(d / "train.npz", x=c.x.numpy(), y=c.y.numpy())
+        np.savez(d / "test.npz", x=c.test_x.numpy(), y=c.test_y.numpy())
+        nodes.append({"data-dir": str(d), "client-id": c.client_id})
+    said: list[str] = []
+    st_d, _, s_d = run_inprocess(small_config(**over, out=str(tmp_path), name="dirs"), node_configs=nodes,
+                                 echo=said.append)
+    st_p, _, s_p = run_inprocess(small_config(**over, out=str(tmp_path), name="part"), **QUIET)
+    assert sum("no many/medium/few" in x for x in said) == 1
+    gd, gp = s_d["final"]["global"]["global"], s_p["final"]["global"]["global"]
+    assert gd["acc"] == gp["acc"] and all(gd[g] is None for g in GROUPS) and gp["many"] is not None
+    assert all(s_d["final"]["personal"]["global"][g] == s_p["final"]["personal"]["global"][g] for g in GROUPS)
+    assert max(float((st_d.state.weights[k] - st_p.state.weights[k]).abs().max()) for k in st_p.state.weights) < 1e-5
+    with pytest.raises(ConfigError, match="--split fixed") as e:
+        run_inprocess(small_config(**over, split="fixed", out=str(tmp_path), name="fixed"), node_configs=nodes,
+                      **QUIET)
+    assert "\n" not in str(e.value) and not (tmp_path / "fixed").exists()
+
+
+def test_what_the_flower_engine_cannot_run_under_dp_is_one_line():
+    """--dp sample (DP-SGD's accountants live in the simulator's process), simulated round times (they need each
+    client's size, which the SuperNodes do not send under --dp client), and Flower's own Strategy.start loop (the
+    driver adds the noise and checks the clipping): refused, one line each."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fedlt.config import RunConfig
+    from fedlt.engine.flower.strategy import FedltStrategy
+
+    base = dict(dataset="digits", clients=4, dp_clip=1.0, dp_noise=1.0)
+    for over, says in (({"dp": "sample"}, "--dp sample runs in the simulator"),
+                       ({"dp": "client", "speed_sigma": 0.5}, "--speed-sigma")):
+        with pytest.raises(ConfigError, match=says) as e:
+            FedltStrategy(RunConfig(**base, **over), **QUIET)
+        assert "\n" not in str(e.value)
+    st = FedltStrategy(RunConfig(**base, dp="client"), **QUIET)
+    with pytest.raises(ConfigError, match="Strategy.start"):
+        st.configure_train(1, ArrayRecord(), ConfigRecord(), None)

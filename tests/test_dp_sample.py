@@ -1,0 +1,222 @@
+"""Sample-level differential privacy (--dp sample, fedlt.core.dpsgd): DP-SGD on each client with opacus.
+
+Each client's accountant against opacus computed here on the run's own inputs (and against the values opacus's
+own tests hold), per-sample gradients against autograd one sample at a time, the clip bounding a client's update,
+the noise's standard deviation, zero noise with an unreachable clip against plain SGD on the same Poisson
+batches, resume after a kill, what is refused, and learning under moderate noise."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("opacus")
+
+from opacus.accountants import RDPAccountant  # noqa: E402
+
+from conftest import final_gm, run_small, small_config  # noqa: E402
+from fedlt.core.dpsgd import SampleDP, batches_per_epoch, epsilon_of, noise_for, per_sample_grads  # noqa: E402
+from fedlt.core.steps import LocalSteps, StepRun, Train, ce  # noqa: E402
+from fedlt.runner import rundir  # noqa: E402
+
+DP = dict(dp="sample", dp_clip=1.0, dp_noise=1.0, rounds=3, eval_every=3, threads=1)
+
+
+def _opacus_epsilon(z, q, steps, delta):
+    acc = RDPAccountant()
+    for _ in range(steps):  # stepped as the optimiser's hook steps it
+        acc.step(noise_multiplier=z, sample_rate=q)
+    return acc.get_epsilon(delta)
+
+
+def test_the_accountant_gives_the_values_of_opacus_own_tests():
+    # opacus/tests/accountants_test.py: test_rdp_accountant, test_get_noise_multiplier_rdp_steps
+    assert epsilon_of(((1.5, 0.04, int(90 / 0.04)),), 1e-5) == pytest.approx(7.32911117143, abs=1e-7)
+    assert noise_for(8.0, 1e-5, 0.04, 2000) == pytest.approx(1.3562, abs=1e-4)
+
+
+def test_each_clients_epsilon_is_opacus_own_for_its_rate_and_steps_and_nothing_but_the_model_leaves(tmp_path):
+    cfg = small_config(**DP, out=str(tmp_path), name="s")
+    summary = rundir.run(cfg, progress=False, echo=lambda *a: None)
+    d, fed = summary["dp"], rundir.federation_for(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in rows if "round" in r]
+    sizes = [len(c) for c in fed.clients]
+    assert d["level"] == "sample" and d["delta"] == pytest.approx(1 / max(sizes) ** 1.1)
+    trained = {}
+    for r in rounds:
+        for c in r["clients"]:
+            trained[c] = trained.get(c, 0) + 1
+        # the round's epsilon: the worst client's so far, by opacus from each one's rate and steps
+        worst = max(_opacus_epsilon(1.0, 1 / batches_per_epoch(sizes[c], cfg.batch_size),
+                                    k * cfg.local_epochs * batches_per_epoch(sizes[c], cfg.batch_size), d["delta"])
+                    for c, k in trained.items())
+        assert r["dp_epsilon"] == pytest.approx(worst, rel=1e-9) and r["train_loss"] is None
+    assert set(d["clients"]) == set(trained)
+    for c, row in d["clients"].items():
+        L = batches_per_epoch(sizes[c], cfg.batch_size)
+        assert row["samples"] == sizes[c] and row["sample_rate"] == 1 / L
+        assert row["steps"] == trained[c] * cfg.local_epochs * L and row["noise_multiplier"] == 1.0
+        assert row["epsilon"] == pytest.approx(_opacus_epsilon(1.0, 1 / L, row["steps"], d["delta"]), rel=1e-9)
+    assert d["epsilon"] == max(r["epsilon"] for r in d["clients"].values()) == rounds[-1]["dp_epsilon"]
+    assert rundir.format_summary(summary).splitlines()[-1].startswith(
+        f"privacy: sample-level ({d['epsilon']:.3g}, {d['delta']:.3g})-DP for the worst client")
+    sent = [json.loads(x) for x in (tmp_path / "s" / "sent.jsonl").read_text().splitlines()]
+    assert {r["category"] for r in sent} == {"model", "size"}  # the losses stay on the clients
+
+
+def test_a_target_epsilon_gives_each_client_its_own_noise_ending_at_the_target(tmp_path):
+    cfg = small_config(**{**DP, "dp_noise": None, "dp_epsilon": 3.0}, out=str(tmp_path), name="e")
+    d = rundir.run(cfg, progress=False, echo=lambda *a: None)["dp"]
+    noises = {row["noise_multiplier"] for row in d["clients"].values()}
+    assert len(noises) > 1  # the clients' rates and steps differ
+    for row in d["clients"].values():  # every client trained all its scheduled rounds: at the target, within
+        assert 3.0 - 0.01 <= row["epsilon"] <= 3.0  # get_noise_multiplier's tolerance
+        assert _opacus_epsilon(row["noise_multiplier"] * 0.99, row["sample_rate"], row["steps"], d["delta"]) > 3.0
+
+
+def _client(method: str = "fedavg", params=None, **over):
+    cfg = small_config(method=method, params=params or {}, **over)
+    pr = rundir.prepare(cfg, rundir.federation_for(cfg))
+    return pr.method, pr.fed.clients[1]
+
+
+def test_per_sample_gradients_are_each_samples_own_proximal_term_included():
+    m, data = _client("fedprox", {"mu": 0.5})
+    steps = m.local_steps(m.configure(m.init_server(), 1, 1), {}, data)
+    steps.weights = {k: v + 0.05 for k, v in steps.weights.items()}  # away from the anchor: the term counts
+    run = StepRun(m, steps)
+    x, y = data.sample_batch(torch.arange(6), None, train=False)
+    grads, _ = per_sample_grads(m, steps, run, [])({k: run.live[k].detach() for k in run.groups}, x, y)
+    names = list(run.groups)
+    for i in range(6):
+        loss = steps.loss(run.view, x[i:i + 1], y[i:i + 1], run.extra)
+        own = torch.autograd.grad(loss, [run.live[k] for k in names])
+        for k, g in zip(names, own):
+            assert torch.allclose(grads[k][i], g, rtol=1e-4, atol=1e-6), (k, float((grads[k][i] - g).abs().max()))
+    assert all(float(grads[k][0].norm()) > 0 for k in names)
+
+
+def _one_sample(data, i=0):
+    """``data`` cut to its ``i``-th sample: every DP-SGD step's batch is that sample (q = 1)."""
+    one = copy.copy(data)
+    one.rows, one.y = data.rows[i:i + 1], data.y[i:i + 1]
+    return one
+
+
+def test_the_clip_bounds_a_clients_update_and_leaves_a_small_one_alone():
+    """A client of one sample, one step at lr 0.1 without momentum and noise: its update is 0.1 times its gradient
+    clipped to C -- of norm 0.1 C exactly when the gradient is longer, the gradient itself when it is shorter."""
+    m, data = _client()
+    one = _one_sample(data)
+    w = m.init_server().weights
+    steps = LocalSteps(w, ce, (Train("", lr=0.1, momentum=0.0, weight_decay=0.0),), epochs=1)
+    run = StepRun(m, steps)
+    x, y = one.sample_batch(torch.arange(1), None, train=False)
+    g = torch.autograd.grad(ce(run.view, x, y, {}), list(run.params.values()))
+    norm = float(torch.cat([t.flatten() for t in g]).norm())
+    for clip in (norm / 10, norm * 10):
+        out = SampleDP(clip, 0.0, None, 1e-5, [[1]], lambda: [len(data)]).run_steps(m, steps, one,
+                                                                                    torch.Generator().manual_seed(0))
+        step = float(torch.cat([(out.weights[k] - w[k]).flatten() for k in run.params]).norm())
+        assert step == pytest.approx(0.1 * min(clip, norm), rel=1e-4)
+
+
+def test_the_noise_has_the_mechanisms_standard_deviation():
+    """Gradients of zero, lr 1, no momentum: the update after T steps is minus the sum of T draws of
+    N(0, (z C)^2 I) over the expected batch size n q: over the model's 22,000 coordinates, its std is
+    z C sqrt(T) / (n q) and its mean 0, to sampling error."""
+    m, data = _client()
+    w = m.init_server().weights
+    zero = lambda model, x, y, extra: 0.0 * ce(model, x, y, extra)  # noqa: E731
+    steps = LocalSteps(w, zero, (Train("", lr=1.0, momentum=0.0, weight_decay=0.0),), epochs=1)
+    dp = SampleDP(2.0, 0.7, None, 1e-5, [[1]], lambda: [len(data)])
+    out = dp.run_steps(m, steps, data, torch.Generator().manual_seed(0))
+    (z, q, T), = dp.histories[1]
+    delta = torch.cat([(out.weights[k] - w[k]).flatten() for k in w if w[k].is_floating_point()]).double()
+    expected = 0.7 * 2.0 * math.sqrt(T) / (len(data) * q)
+    assert (z, q, T) == (0.7, 1 / batches_per_epoch(len(data), 16), batches_per_epoch(len(data), 16))
+    N = len(delta)  # 5 standard errors of the sample std and mean of N normal draws
+    assert float(delta.std()) == pytest.approx(expected, rel=5 / math.sqrt(2 * N))
+    assert abs(float(delta.mean())) < 5 * expected / math.sqrt(N)
+
+
+def test_zero_noise_and_an_unreachable_clip_train_as_plain_sgd_on_the_same_poisson_batches():
+    """With z 0 and C 1e9, DP-SGD is SGD on the batches' summed loss over the expected batch size n q: here
+    plain autograd on the same Poisson batches (drawn as opacus's sampler draws them), momentum and weight decay
+    as the run's. The per-sample sum runs in another order than the batch's backward: equal to float rounding."""
+    m, data = _client()
+    w = m.init_server().weights
+    steps = m.local_steps(m.configure(m.init_server(), 1, 1), {}, data)
+    out = SampleDP(1e9, 0.0, None, 1e-5, [[1]], lambda: [len(data)]).run_steps(m, steps, data,
+                                                                               torch.Generator().manual_seed(3))
+    gen, n = torch.Generator().manual_seed(3), len(data)
+    L = batches_per_epoch(n, m.spec.batch_size)
+    run = StepRun(m, steps)
+    torch.randint(0, 2**62, (1,), generator=gen)  # the noise generator's seed, drawn first
+    sizes = []
+    for _ in range(m.spec.local_epochs * L):
+        idx = (torch.rand(n, generator=gen) < 1 / L).nonzero().reshape(-1)
+        run.opt.zero_grad()
+        if len(idx):
+            x, y = data.sample_batch(idx, gen, train=True)
+            (ce(run.view, x, y, {}) * len(idx) / (n / L)).backward()
+        else:
+            for p in run.params.values():
+                p.grad = torch.zeros_like(p)
+        run.opt.step()
+        sizes.append(len(idx))
+    ref = run.trained({}).weights
+    assert len(set(sizes)) > 1  # Poisson batches: their sizes vary
+    gap = max(float((out.weights[k] - ref[k]).abs().max()) for k in w)
+    assert gap <= 1e-6, gap  # measured 9e-8
+    assert any(not torch.equal(out.weights[k], w[k]) for k in w)
+
+
+def test_resume_after_a_kill_gives_the_same_epsilon_and_model(tmp_path):
+    from safetensors.torch import load_file
+
+    from conftest import resumed_as_uninterrupted
+
+    ref, out = resumed_as_uninterrupted(tmp_path, {**DP, "rounds": 4, "eval_every": 2})
+    assert out["dp"] == ref["dp"] and out["dp"]["epsilon"] > 0
+
+    a, b = (load_file(str(tmp_path / n / "final_state.safetensors")) for n in ("ref", "cut"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_batchnorm_model_is_refused_on_the_command_line_naming_models_that_work(tmp_path):
+    from fedlt.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), contextlib.chdir(tmp_path):
+        code = main(["run", "--dataset", "digits", "--clients", "4", "--rounds", "1", "--model", "smallcnn-bn",
+                     "--dp", "sample", "--dp-clip", "1", "--dp-noise", "1", "--no-progress", "--out", "runs"])
+    lines = [x for x in err.getvalue().splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err.getvalue(), err.getvalue()
+    assert "smallcnn-bn" in lines[0] and "BatchNorm" in lines[0] and "--model smallcnn" in lines[0]
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("method, says", [("fedrs", "does not declare"), ("fedrep", "does not declare"),
+                                          ("balancefl", "does not declare"), ("ccvr", "class-counts")])
+def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
+    from fedlt.config import RunConfig, validate
+    from fedlt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=says) as e:
+        validate(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, method=method, clients=10))
+    assert "\n" not in str(e.value) and f"method {method}" in str(e.value) and "fedavg" in str(e.value)
+    for ok in ("fedavg", "fedprox", "ditto", "fedper", "fedloge"):
+        validate(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, method=ok, clients=10))
+
+
+def test_dp_sgd_with_moderate_noise_still_learns():
+    sim, final = run_small("fedavg", **{**DP, "rounds": 8, "eval_every": 8})
+    assert sim.dp.epsilon(8) < 10
+    assert final_gm(final)["acc"] > 0.3  # chance: 0.1
