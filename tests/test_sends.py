@@ -216,3 +216,22 @@ def test_privacy_page_has_every_method():
     cells = [c.strip() for c in creff.split("|")[2:-1]]
     assert dict(zip(CATEGORIES, cells))["class-gradients"] == "R" and dict(zip(CATEGORIES, cells))["features"] == ""
     assert "## What leaves the client" in gen_reference.method_page("creff", METHODS.get("creff"))
+
+
+@pytest.mark.parametrize("mode", ["client", "sample"])
+def test_list_says_of_every_method_what_dp_then_accepts(capsys, mode):
+    """`fedlt list METHOD`'s DP line is what --dp MODE does with the method: "yes" exactly where the configuration
+    is not refused for DP's sake."""
+    from fedlt.cli import main
+    from fedlt.config import RunConfig, validate
+    from fedlt.errors import ConfigError
+
+    for name in METHODS.names():
+        assert main(["list", name]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"{mode}-level DP"))
+        try:
+            validate(RunConfig(method=name, dp=mode, dp_clip=1.0, dp_noise=1.0, clients=10))
+            refused = False
+        except ConfigError as e:
+            refused = "--dp" in str(e)
+        assert line.split(": ", 1)[1].startswith("no" if refused else "yes"), (name, line)
