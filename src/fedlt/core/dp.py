@@ -124,19 +124,34 @@ def unprotected(sends) -> list[str]:
             if s.category not in ALLOWED or (s.when != "rounds" and s.category == "model")]
 
 
+def unreceived(received: dict[str, torch.Tensor], arrays: dict[str, torch.Tensor]) -> str | None:
+    """The entries a reply sends that its client did not receive (the first three, named), or None: such an entry's
+    update has no reference."""
+    extra = sorted(set(arrays) - set(received))
+    return f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}" if extra else None
+
+
+def delta_of(payload_arrays: dict[str, torch.Tensor], arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A reply's update in float64: each floating-point entry minus what its client received."""
+    return {k: v.to(torch.float64) - payload_arrays[k].to(torch.float64) for k, v in arrays.items()
+            if v.is_floating_point()}
+
+
+def norm_of(deltas: dict[str, torch.Tensor]) -> float:
+    """The L2 norm of an update over all its entries."""
+    return math.sqrt(sum(float((d * d).sum()) for d in deltas.values()))
+
+
 def clip_reply(payload_arrays: dict[str, torch.Tensor], arrays: dict[str, torch.Tensor], clip: float,
                who: str) -> tuple[dict[str, torch.Tensor], float]:
     """A client's reply arrays with its update clipped to L2 norm ``clip`` (over every floating-point entry it
     received and sends back) and its other entries as received; and the update's norm before clipping. An entry
     it sends that it did not receive is a one-line error (its update has no reference)."""
-    extra = sorted(set(arrays) - set(payload_arrays))
-    if extra:
-        raise ConfigError(f"--dp client: {who} sends {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, "
-                          f"which it did not receive: its update cannot be clipped; this method cannot run under "
-                          f"--dp client")
-    keys = [k for k in arrays if arrays[k].is_floating_point()]
-    deltas = {k: arrays[k].to(torch.float64) - payload_arrays[k].to(torch.float64) for k in keys}
-    norm = math.sqrt(sum(float((d * d).sum()) for d in deltas.values()))
+    if (extra := unreceived(payload_arrays, arrays)) is not None:
+        raise ConfigError(f"--dp client: {who} sends {extra}, which it did not receive: its update cannot be "
+                          f"clipped; this method cannot run under --dp client")
+    deltas = delta_of(payload_arrays, arrays)
+    norm = norm_of(deltas)
     scale = min(1.0, clip / norm) if norm > 0 else 1.0
     out = {k: (payload_arrays[k] if k not in deltas else
                (payload_arrays[k].to(torch.float64) + deltas[k] * scale).to(arrays[k].dtype)) for k in arrays}
@@ -169,7 +184,7 @@ def phase_reply(phase: str, who: str, reply):
     return Message({}, {"num_examples": 1})
 
 
-def not_clipped(payload_arrays: dict[str, torch.Tensor], reply, clip: float, who: str) -> str | None:
+def not_clipped(payload_arrays: dict[str, torch.Tensor], reply, clip: float) -> str | None:
     """Why a reply that its client says it clipped (:func:`client_reply` with the bit) is not as it must be, or
     None: its update's norm above ``clip`` by more than the rounding of its floating-point entries to their dtype
     (``eps |w|`` each, ``eps`` the dtype's machine epsilon), an integer entry other than received, or meta other
@@ -179,9 +194,9 @@ def not_clipped(payload_arrays: dict[str, torch.Tensor], reply, clip: float, who
     if meta != {"num_examples": 1} or bit not in (0, 1):
         return f"--dp client: its reply carries {', '.join(sorted(reply.meta)) or 'no meta'}, not num_examples 1 " \
                f"and the clipping bit: its SuperNode does not clip (another fedlt?)"
-    if set(reply.arrays) - set(payload_arrays):
+    if unreceived(payload_arrays, reply.arrays) is not None:
         return "--dp client: it sends entries it did not receive, whose update cannot be clipped"
-    _, norm = clip_reply(payload_arrays, reply.arrays, clip, who)
+    norm = norm_of(delta_of(payload_arrays, reply.arrays))
     floats = [v for v in reply.arrays.values() if v.is_floating_point()]
     slack = math.sqrt(sum(float(((torch.finfo(v.dtype).eps * v.to(torch.float64)) ** 2).sum()) for v in floats))
     if norm > clip + slack or any(not torch.equal(v, payload_arrays[k]) for k, v in reply.arrays.items()
@@ -268,7 +283,7 @@ class ClientDP:
         out, why = [], {}
         for cid, reply in replies:
             base = payloads[cid].arrays
-            if (wrong := not_clipped(base, reply, self.clip, f"client {cid}")) is not None:
+            if (wrong := not_clipped(base, reply, self.clip)) is not None:
                 why[cid] = wrong
                 continue
             self.bases[cid] = base

@@ -155,12 +155,12 @@ def update_of(received: dict[str, torch.Tensor], arrays: dict[str, torch.Tensor]
               who: str) -> dict[str, torch.Tensor]:
     """A reply's update, ``sent - received`` in float64, for each floating-point entry it sends. An entry it sends
     that it did not receive is a one-line error (its update has no reference the server knows)."""
-    extra = sorted(set(arrays) - set(received))
-    if extra:
-        raise ConfigError(f"--secagg: {who} sends {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which "
-                          f"it did not receive: SecAgg+ sums updates to what the server sent; this method cannot run "
-                          f"under --secagg")
-    return {k: arrays[k].to(torch.float64) - received[k].to(torch.float64) for k in masked_keys(arrays)}
+    from .dp import delta_of, unreceived
+
+    if (extra := unreceived(received, arrays)) is not None:
+        raise ConfigError(f"--secagg: {who} sends {extra}, which it did not receive: SecAgg+ sums updates to what the "
+                          f"server sent; this method cannot run under --secagg")
+    return delta_of(received, arrays)  # the masked entries (masked_keys), in their order
 
 
 def not_finite(update: dict[str, torch.Tensor], who: str) -> str | None:
