@@ -126,6 +126,8 @@ def method_index(methods) -> str:
 
 
 def method_page(name: str, cls) -> str:
+    from fedlt.core.dp import verdict
+
     doc = _doc(cls)
     gm, pm, batched = _flags(cls)
     source = f"src/{cls.__module__.replace('.', '/')}.py"
@@ -135,7 +137,9 @@ def method_page(name: str, cls) -> str:
            f"| generic model (GM) | {gm} |", f"| personal models (PM) | {pm} |",
            f"| batched clients | {batched} |",
            f"| post-training phases | {', '.join(f'`{p}`' for p in cls.phases) or 'none'} |",
-           f"| secure aggregation (`--secagg`) | {_secagg(cls)} |", "",
+           f"| secure aggregation (`--secagg`) | {_secagg(cls)} |",
+           f"| client-level DP (`--dp client`) | {_cell(verdict(cls, 'client'))} |",
+           f"| sample-level DP (`--dp sample`) | {_cell(verdict(cls, 'sample'))} |", "",
            "## Parameters", ""]
     params = parameters(cls)
     if params:

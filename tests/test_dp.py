@@ -194,3 +194,107 @@ def test_fedloge_runs_under_dp_with_its_phases_sending_nothing_but_a_count_of_on
     with pytest.raises(ConfigError, match=r"head\.\* \(model-part, phase rucr-crt\)"):
         validate(RunConfig(dp="client", dp_clip=1.0, dp_noise=1.0, method="rucr", clients=10))
 
+
+
+# ------------------------------------------------------------------ class statistics as noised per-class means
+def _class_replies(n: int, num_classes: int, gen, held=None):
+    """``n`` replies of per-class arrays under prefix "grad" (CReFF's packing: core.classgrad)."""
+    from fedlt.core.classgrad import pack_class_grads
+    from fedlt.core.method import Message
+
+    out = []
+    for i in range(n):
+        cls = held[i] if held is not None else sorted(torch.randperm(num_classes, generator=gen)[:2].tolist())
+        out.append((i, Message(pack_class_grads("grad", cls, torch.randn(len(cls), 3, 2, generator=gen),
+                                                torch.randn(len(cls), 3, generator=gen)), {})))
+    return out
+
+
+def test_class_statistics_reach_the_method_as_the_noised_per_class_sum_over_the_noised_count():
+    """Without noise, the method's own per-class mean (core.classgrad.mean_class_grads) of the rewritten replies is
+    its mean of the replies as sent, and a class nobody holds is left out. With noise: each class's sum gets
+    N(0, (z C_s)^2) per entry and its count of holders N(0, z^2 num_classes)."""
+    from fedlt.core.classgrad import mean_class_grads
+    from fedlt.core.dp import noised_class_means
+    from fedlt.core.method import Message
+
+    gen = torch.Generator().manual_seed(0)
+    replies = _class_replies(5, 6, gen, held=[[0, 2], [2], [0, 1, 2], [4], [1, 4]])  # class 3 and 5: nobody
+    rows = noised_class_means({c: r.arrays for c, r in replies}, ("grad",), 6, 0.0, 1.0, gen)
+    want, got = mean_class_grads([r for _, r in replies], "grad"), mean_class_grads(
+        [Message(rows[c], {}) for c, _ in replies], "grad")
+    assert sorted(got) == sorted(want) == [0, 1, 2, 4]
+    for c in want:
+        assert torch.allclose(got[c][0], want[c][0], atol=1e-6) and torch.allclose(got[c][1], want[c][1], atol=1e-6)
+
+    # the sums' noise: 400 clients holding class 0 with zero arrays, a 2000-entry array: mean x count = the noise
+    zeros = {i: {"grad.classes": torch.tensor([0]), "grad.w": torch.zeros(1, 2000), "grad.b": torch.zeros(1, 3)}
+             for i in range(400)}
+    rows = noised_class_means(zeros, ("grad",), 1, 0.5, 2.0, torch.Generator().manual_seed(1))
+    noise = mean_class_grads([Message(r, {}) for r in rows.values()], "grad")[0][0]
+    assert float((noise * 400).std()) == pytest.approx(0.5 * 2.0, rel=0.06)  # z C_s (the count: 400 +- 0.5)
+    # the counts' noise: 400 classes each held by all 50 clients with the same array (its sum's noise negligible)
+    same = {i: {"grad.classes": torch.arange(400), "grad.w": torch.full((400, 1), 1e-3), "grad.b": torch.zeros(400, 1)}
+            for i in range(50)}
+    rows = noised_class_means(same, ("grad",), 400, 0.1, 1e-6, torch.Generator().manual_seed(2))
+    means = mean_class_grads([Message(r, {}) for r in rows.values()], "grad")
+    counts = torch.tensor([50 * 1e-3 / float(means[c][0]) for c in range(400)])
+    assert float(counts.mean()) == pytest.approx(50, abs=0.5)
+    assert float(counts.std()) == pytest.approx(0.1 * 400 ** 0.5, rel=0.12)  # z sqrt(num_classes)
+
+
+def test_class_statistics_are_clipped_on_the_client_and_the_server_refuses_what_was_not():
+    """client_reply clips the class-mean arrays together to --dp-stats-clip apart from the update (class ids as
+    they are); not_clipped takes that reply and refuses one whose statistics pass the clip."""
+    from fedlt.core.dp import client_reply, not_clipped
+    from fedlt.core.method import Message
+
+    gen = torch.Generator().manual_seed(3)
+    w = {"a": torch.zeros(4)}
+    (_, stats), = _class_replies(1, 5, gen, held=[[1, 3]])
+    reply = Message({"a": torch.full((4,), 2.0), **stats.arrays}, {"num_examples": 30, "loss": 0.3})
+    sent, norm, stats_norm = client_reply(w, reply, 1.0, "client 0", bit=True, means=("grad",), stats_clip=0.25)
+    assert norm == pytest.approx(4.0) and float(sent.arrays["a"].norm()) == pytest.approx(1.0, rel=1e-6)
+    flat = torch.cat([sent.arrays["grad.w"].flatten(), sent.arrays["grad.b"].flatten()])
+    assert stats_norm > 0.25 and float(flat.norm()) == pytest.approx(0.25, rel=1e-6)
+    assert torch.equal(sent.arrays["grad.classes"], torch.tensor([1, 3]))
+    assert sent.meta == {"num_examples": 1, "dp_unclipped": 0}
+    assert not_clipped(w, sent, 1.0, ("grad",), 0.25) is None
+    assert "class statistics" in not_clipped(w, sent, 1.0, ("grad",), 0.2)
+    unclipped = Message({**sent.arrays, "grad.w": stats.arrays["grad.w"]}, sent.meta)
+    assert "passes --dp-stats-clip" in not_clipped(w, unclipped, 1.0, ("grad",), 0.25)
+
+
+def test_the_round_shares_one_noise_multiplier_between_the_update_and_the_class_statistics():
+    """A method with one class-mean prefix releases three Gaussian mechanisms a round (the update, the sums, the
+    counts) beside adaptive clipping's count: sum of their z^-2 = z^-2, so the accountant's epsilon is the update's
+    alone at z."""
+    dp = ClientDP(1.0, 0.8, None, 1e-5, None, 100, 20, 10, quantile=0.5, means=("grad",), num_classes=10)
+    assert dp.releases == 3
+    assert 3 * dp.update_noise ** -2 + (2 * dp.count_noise) ** -2 == pytest.approx(0.8 ** -2)
+    fixed = ClientDP(1.0, 0.8, None, 1e-5, None, 100, 20, 10, means=("grad",), num_classes=10)
+    assert fixed.update_noise == pytest.approx(0.8 * 3 ** 0.5) and fixed.epsilon(10) == dp.epsilon(10)
+    assert fixed.table(10)["release_noise"] == fixed.update_noise and fixed.table(10)["class_means"] == ["grad"]
+
+
+@pytest.mark.parametrize("method", ["creff", "redgrape"])
+def test_a_method_with_class_statistics_runs_under_dp_and_what_it_sends_is_clipped(tmp_path, method):
+    """CReFF and RedGrape under --dp client: accepted (not under --dp sample), every round records the share of
+    class statistics clipped, and the summary's dp table names the class-mean prefix; the run learns at low noise
+    (GM well above chance on the 10 digits: CReFF's re-trained head matches the noised per-class means)."""
+    from fedlt.config import RunConfig, validate
+    from fedlt.errors import ConfigError
+
+    prefix = {"creff": "grad", "redgrape": "proto"}[method]
+    with pytest.raises(ConfigError, match=rf"{prefix}\.\[wb\] \(class-gradients\)"):
+        validate(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, method=method, clients=10))
+    params = {"creff": {"ipc": 20, "match_epochs": 100, "crt_epochs": 100}, "redgrape": {}}[method]
+    cfg = small_config(**{**DP, "dp_noise": 0.01, "dp_clip": 5.0, "rounds": 8, "eval_every": 8, "participation": 1.0,
+                          "local_epochs": 2}, dp_stats_clip=0.5, method=method, params=params, out=str(tmp_path),
+                       name="c")
+    summary = rundir.run(cfg, progress=False, echo=lambda *a: None)
+    rounds = [json.loads(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines() if '"round"' in x]
+    assert all(0 <= r["dp_stats_clipped"] <= 1 and r["dp_stats_norm"] > 0 for r in rounds)
+    assert summary["dp"]["class_means"] == [prefix] and summary["dp"]["stats_clip"] == 0.5
+    gm = next(iter(summary["final"]["global"].values()))["acc"]  # CReFF's re-trained head, RedGrape's model
+    assert gm > 0.5, gm

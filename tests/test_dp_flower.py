@@ -14,7 +14,7 @@ pytest.importorskip("flwr")
 pytest.importorskip("dp_accounting")
 
 from conftest import small_config  # noqa: E402
-from fedlt.core.dp import UNCLIPPED, ClientDP, client_reply  # noqa: E402
+from fedlt.core.dp import UNCLIPPED, ClientDP, class_means, client_reply, norm_of, split_stats  # noqa: E402
 from fedlt.core.method import Message  # noqa: E402
 from fedlt.engine.flower.inprocess import run_inprocess  # noqa: E402
 from fedlt.engine.flower.records import control, from_records  # noqa: E402
@@ -27,7 +27,9 @@ from fedlt.runner.runstate import load_final_state  # noqa: E402
 DP = dict(dp="client", dp_clip=0.5, dp_noise=0.3, clients=6, participation=0.5, rounds=3, eval_every=3,
           local_epochs=1, threads=1)
 CASES = {"fixed": {}, "adaptive": {"dp_clip_quantile": 0.5, "dp_count_noise": 1.0},
-         "secagg": {"secagg": True, "clients": 4, "participation": 1.0, "rounds": 2, "eval_every": 2}}
+         "secagg": {"secagg": True, "clients": 4, "participation": 1.0, "rounds": 2, "eval_every": 2},
+         # RedGrape: its supplementary classifier clipped with the update, its gradient prototypes as class means
+         "class-means": {"method": "redgrape", "dp_stats_clip": 0.5, "rounds": 2, "eval_every": 2}}
 QUIET = dict(echo=lambda *a: None)
 
 
@@ -51,6 +53,9 @@ def test_dp_on_flower_is_the_simulators_run_and_no_unclipped_update_reaches_the_
     a, b = _lines(tmp_path / "sim", "metrics.jsonl"), _lines(tmp_path / "fl", "metrics.jsonl")
     norms = [r.pop("dp_update_norm") for r in a if "round" in r]  # the server's, in the simulator
     assert [r.pop("dp_update_norm") for r in b if "round" in r] == [None] * len(norms)  # they stay on the clients
+    for key in ("dp_stats_norm", "dp_stats_clipped"):  # the class statistics' norms, likewise
+        assert [r.pop(key, None) is None for r in a if "round" in r] == [case != "class-means"] * len(norms)
+        assert [r.pop(key, None) for r in b if "round" in r] == [None] * len(norms)
     assert a == b  # the same clients (Poisson sampling), noise, clips, epsilons, metrics
     assert fl["dp"] == sim["dp"] and _timeless(fl["final"]) == _timeless(sim["final"])
     assert _lines(tmp_path / "sim", "sent.jsonl") == _lines(tmp_path / "fl", "sent.jsonl")
@@ -70,8 +75,11 @@ def test_dp_on_flower_is_the_simulators_run_and_no_unclipped_update_reaches_the_
             continue
         ask = asked[m.metadata.reply_to_message_id]
         clip, base, got = float(control(ask.content)["dp-clip"]), from_records(ask.content), from_records(m.content)
-        norm = sum(float((got.arrays[k].double() - base.arrays[k].double()).pow(2).sum()) for k in got.arrays) ** 0.5
+        stats, rest = split_stats(got.arrays, class_means(st.method.sends))
+        norm = sum(float((rest[k].double() - base.arrays[k].double()).pow(2).sum()) for k in rest) ** 0.5
         assert norm <= clip + 1e-5, (norm, clip)  # as it arrives at the server
+        assert (norm_of({k: v.double() for k, v in stats.items() if v.is_floating_point()}) <= 0.5 + 1e-6) \
+            and (case != "class-means" or "proto.w" in stats)  # the class statistics too
         assert got.meta == {"num_examples": 1, UNCLIPPED: got.meta[UNCLIPPED]}  # no loss, no size
         seen.append(got.meta[UNCLIPPED])
     assert len(seen) == sum(len(r["clients"]) for r in a if "round" in r) and 0 in seen

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .core.dp import default_delta, noise_for, unprotected
+from .core.dp import class_means, default_delta, noise_for, unprotected, verdict
 from .core.dpsgd import declared
 from .core import secagg
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
@@ -209,6 +209,11 @@ class RunConfig:
                                                  "unclipped updates", low=0, low_open=True, metavar="S",
                                            group=PRIVACY, reads=("engine",),
                                            none_means="the expected clients a round / 20 (Andrew et al.)")
+    dp_stats_clip: float | None = setting(None, "--dp client: the L2 norm each client's class statistics are clipped "
+                                                "to, for a method that declares them privatised as noised per-class "
+                                                "means (CReFF's, RedGrape's per-class gradients)", low=0,
+                                          low_open=True, metavar="C", group=PRIVACY, reads=("engine",),
+                                          none_means="1.0")
     dp_budget: float | None = setting(None, "--dp client: stop (cleanly, exit 0) before a round whose epsilon would "
                                             "pass this", low=0, low_open=True, metavar="E", group=PRIVACY,
                                       reads=("engine",), none_means="no budget")
@@ -544,8 +549,8 @@ def _method_class(cfg):
 
 
 def unprotected_by(cfg) -> list[str]:
-    """What method ``cfg.method``'s clients send that --dp client would not protect (its ``sends``)."""
-    return unprotected(getattr(_method_class(cfg), "sends", ()))
+    """What method ``cfg.method``'s clients send that --dp (client or sample) would not protect (its ``sends``)."""
+    return unprotected(getattr(_method_class(cfg), "sends", ()), cfg.dp)
 
 
 def secagg_methods() -> list[str]:
@@ -563,7 +568,7 @@ def secagg_clients(c) -> int:
 
 def dp_sample_methods() -> list[str]:
     """The built-in methods that run under --dp sample (:func:`fedlt.core.dpsgd.declared`), FedAvg-family first."""
-    names = [n for n, cls in METHODS.items() if declared(cls) and not unprotected(getattr(cls, "sends", ()))]
+    names = [n for n, cls in METHODS.items() if verdict(cls, "sample").startswith("yes")]
     first = [n for n in ("fedavg", "fedprox", "ditto", "fedper", "fedloge") if n in names]
     return first + [n for n in names if n not in first]
 
@@ -752,7 +757,13 @@ RELATIONS: list[Relation] = [
     *[applies_when(name, lambda c: c.dp == "client", f"--{name.replace('_', '-')} applies to --dp client; add "
                    f"--dp client or drop it", others=("dp",),
                    bad=({name: value}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, name: value}))
-      for name, value in (("dp_budget", 8.0), ("dp_clip_quantile", 0.5))],
+      for name, value in (("dp_budget", 8.0), ("dp_clip_quantile", 0.5), ("dp_stats_clip", 1.0))],
+    applies_when("dp_stats_clip",
+                 lambda c: c.dp != "client" or bool(class_means(getattr(_method_class(c), "sends", ()))),
+                 lambda c: f"--dp-stats-clip clips the class statistics of a method that sends them as noised "
+                           f"per-class means ({', '.join(n for n, cls in METHODS.items() if class_means(cls.sends))}), "
+                           f"and method {c.method} sends none; drop it", others=("method",),
+                 bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_stats_clip": 1.0},)),
     *[applies_when(name, lambda c: c.dp_clip_quantile is not None, f"--{name.replace('_', '-')} applies to adaptive "
                    f"clipping; add --dp-clip-quantile Q or drop it", others=("dp_clip_quantile",),
                    bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, name: value},))

@@ -78,19 +78,10 @@ def main(args) -> int:
 
         print("secure aggregation (--secagg): " + ("yes, its server needs only the weighted mean of the replies"
                                                    if runs_under(cls) else f"no, {why_not(cls)}"))
-        from ..core.dp import unprotected
-        from ..core.dpsgd import declared
+        from ..core.dp import verdict
 
-        left = unprotected(getattr(cls, "sends", ()))
-        pooled = getattr(cls, "needs_pool", False)
-        print("client-level DP (--dp client): " + ("no, it trains on the clients' data pooled in one place" if pooled
-                                                   else f"no, its clients also send {', '.join(left)}" if left else
-                                                   "yes, its clients send only the model update (clipped and noised)"))
-        print("sample-level DP (--dp sample): " + (
-            "no, it trains on the clients' data pooled in one place" if pooled else
-            f"no, its clients also send {', '.join(left)}" if left else
-            "yes, its described local steps run as DP-SGD" if declared(cls) else
-            "no, its local training is a loop of its own or its loss reads the client's class statistics"))
+        print("client-level DP (--dp client): " + verdict(cls, "client"))
+        print("sample-level DP (--dp sample): " + verdict(cls, "sample"))
         return 0
     from ..api import list_methods
     from ..config import PRESETS

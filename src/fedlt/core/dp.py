@@ -39,9 +39,26 @@ never holds an unclipped update, and the server's :meth:`ClientDP.arrived` check
 (one that is not within the clip is not used). The noise, the clip's update and the accountant are the server's on
 both.
 
-What the guarantee covers: the model update and nothing else. A method whose clients also send anything else
-(class counts, prototypes, features: ``Method.sends``) is refused with one line naming what would leave
-unprotected (:func:`unprotected`).
+What the guarantee covers: the model update, and what a method declares privatised beside it (``Sent.dp``):
+
+- ``update``: an entry outside the model that the client received and sends back and the server averages
+  (RedGrape's supplementary classifier ``sup.*``): clipped and noised as part of the update;
+- ``class-mean``: per-class arrays ``PREFIX.*`` keyed by the class ids ``PREFIX.classes``, of which the server needs
+  per class the mean over the clients that hold the class (:func:`fedlt.core.classgrad.mean_class_grads`: CReFF's
+  and CLIP2FL's real-feature gradients, RedGrape's gradient prototypes). Each client clips its arrays together to
+  L2 norm ``C_s`` (``--dp-stats-clip``; its class ids stay as they are). The server sums them per class over all
+  ``C`` classes (zero where a client lacks the class) and adds ``N(0, (z_r C_s)^2)`` to each sum, counts the clients
+  holding each class and adds ``N(0, (z_r sqrt(C))^2)`` to each count (one client's indicator vector has L2 norm at
+  most ``sqrt(C)``), keeps the classes whose noised count is at least 1 and rewrites the replies so that the
+  method's own per-class mean is the noised sum over the noised count: the method runs unchanged.
+
+Every release of a round (the update, adaptive clipping's count, each class-mean's sums and counts) is a Gaussian
+mechanism on the same sampled clients, so the round is one Gaussian mechanism whose multiplier ``z`` satisfies
+``z^-2 = sum_i z_i^-2`` (``z_i``: a release's noise std over its sensitivity). The accountant composes ``z`` as for
+the update alone; the ``r`` releases other than the clipping count share what the count leaves equally,
+``z_r = sqrt(r) (z^-2 - (2 s)^-2)^-1/2`` (:func:`update_noise`): each is noisier than the update alone would be.
+Anything else a method's clients send (class counts, prototypes, features: ``Method.sends``) is refused with one
+line naming what would leave unprotected (:func:`unprotected`).
 """
 from __future__ import annotations
 
@@ -52,6 +69,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .privacy import CLASS_MEAN, ROUNDS, UPDATE
 
 # integer RDP orders (fractional ones make dp-accounting's series fail to converge at large sampling rates)
 ORDERS = tuple(range(2, 256)) + (256, 512, 1024)
@@ -102,26 +120,77 @@ def noise_for(target: float, rate: float, rounds: int, delta: float) -> float:
     return hi
 
 
-def update_noise(noise: float, count_noise: float) -> float:
-    """The update's noise multiplier when adaptive clipping's count (noise std ``count_noise``, sensitivity 1/2)
-    takes its share of the round's multiplier ``noise`` (Andrew et al., Theorem 1). A count noise at most
-    ``noise / 2`` leaves nothing for the update: a one-line error."""
+def update_noise(noise: float, count_noise: float | None = None, releases: int = 1) -> float:
+    """The noise multiplier of each of the round's ``releases`` (the update, and each class-mean's sums and counts)
+    when together with adaptive clipping's count (noise std ``count_noise``, sensitivity 1/2; None: a fixed clip)
+    they make one Gaussian mechanism of multiplier ``noise`` (Andrew et al., Theorem 1: ``noise^-2`` is the sum of
+    the releases' ``z^-2``), shared equally. A count noise at most ``noise / 2`` leaves nothing for the rest: a
+    one-line error."""
     if noise == 0:
         return 0.0
-    if 2 * count_noise <= noise:
+    if count_noise is not None and 2 * count_noise <= noise:
         raise ConfigError(f"adaptive clipping splits the noise multiplier {noise:g} between the update and the count "
                           f"of unclipped updates, whose noise {count_noise:g} must exceed half of it; raise "
                           f"--dp-count-noise above {noise / 2:g}, or allow a larger epsilon")
-    return (noise ** -2 - (2 * count_noise) ** -2) ** -0.5
+    rest = noise if count_noise is None else (noise ** -2 - (2 * count_noise) ** -2) ** -0.5
+    return rest * math.sqrt(releases)
 
 
-def unprotected(sends) -> list[str]:
-    """What a method's clients send (its ``sends`` declaration) that the client-level guarantee would not
+def unprotected(sends, level: str = "client") -> list[str]:
+    """What a method's clients send (its ``sends`` declaration) that the guarantee of ``--dp level`` would not
     cover: in the rounds, every declared item of another category than the model, its size and its statistics
-    (the update is clipped and noised, the rest is not sent); in a post-training phase, everything but its size
-    and statistics (which are not sent under DP: :meth:`ClientDP.phase_side`)."""
+    (the update is clipped and noised, the rest is not sent), except, for ``client``, what it declares privatised
+    (``Sent.dp``); in a post-training phase, everything but its size and statistics (which are not sent under DP:
+    :meth:`ClientDP.phase_side`)."""
     return [f"{s.name} ({s.category}{', phase ' + s.when if s.when != 'rounds' else ''})" for s in sends
-            if s.category not in ALLOWED or (s.when != "rounds" and s.category == "model")]
+            if (s.category not in ALLOWED or (s.when != ROUNDS and s.category == "model"))
+            and not (level == "client" and s.dp and s.when == ROUNDS)]
+
+
+def privatised(sends) -> list[str]:
+    """What a method's clients send beside the model that ``--dp client`` privatises (``Sent.dp``), with how."""
+    how = {UPDATE: "clipped and noised with it", CLASS_MEAN: "as noised per-class means"}
+    return [f"{s.name} ({s.category}, {how[s.dp]})" for s in sends if s.dp and s.when == ROUNDS]
+
+
+def verdict(cls, level: str) -> str:
+    """Whether ``--dp level`` (client or sample) runs method class ``cls``, in words: "yes, ..." or "no, ..." and
+    why (``fedlt list METHOD`` and the method's page; the run's validation refuses exactly the "no"s, a test holds
+    them together)."""
+    from .dpsgd import declared
+
+    sends = getattr(cls, "sends", ())
+    left = unprotected(sends, level)
+    if getattr(cls, "needs_pool", False):
+        return "no, it trains on the clients' data pooled in one place"
+    if left:
+        return f"no, its clients also send {', '.join(left)}"
+    if level == "client":
+        also = privatised(sends)
+        return f"yes, its clients send the model update (clipped and noised) and {', '.join(also)}" if also else \
+            "yes, its clients send only the model update (clipped and noised)"
+    return "yes, its described local steps run as DP-SGD" if declared(cls) else \
+        "no, its local training is a loop of its own or its loss reads the client's class statistics"
+
+
+def class_means(sends) -> tuple[str, ...]:
+    """The prefixes of the per-class arrays a method declares as ``class-mean`` (``Sent.dp``)."""
+    return tuple(sorted({s.name.split(".")[0] for s in sends if s.dp == CLASS_MEAN and s.when == ROUNDS}))
+
+
+def split_stats(arrays: dict[str, torch.Tensor], prefixes) -> tuple[dict, dict]:
+    """A reply's arrays as (its class-mean arrays ``PREFIX.*``, the rest)."""
+    stats = {k: v for k, v in arrays.items() if k.split(".")[0] in prefixes and "." in k}
+    return stats, {k: v for k, v in arrays.items() if k not in stats}
+
+
+def clip_stats(stats: dict[str, torch.Tensor], clip: float) -> tuple[dict[str, torch.Tensor], float]:
+    """Class-mean arrays with their floating-point entries clipped together to L2 norm ``clip`` (the class ids as
+    they are), and their norm before clipping."""
+    floats = {k: v.to(torch.float64) for k, v in stats.items() if v.is_floating_point()}
+    norm = norm_of(floats)
+    scale = min(1.0, clip / norm) if norm > 0 else 1.0
+    return {k: (floats[k] * scale).to(v.dtype) if k in floats else v for k, v in stats.items()}, norm
 
 
 def unreceived(received: dict[str, torch.Tensor], arrays: dict[str, torch.Tensor]) -> str | None:
@@ -161,16 +230,21 @@ def clip_reply(payload_arrays: dict[str, torch.Tensor], arrays: dict[str, torch.
 UNCLIPPED = "dp_unclipped"  # the clipping bit a client that clips itself sends beside num_examples (1: within the clip)
 
 
-def client_reply(payload_arrays: dict[str, torch.Tensor], reply, clip: float, who: str, bit: bool = False):
+def client_reply(payload_arrays: dict[str, torch.Tensor], reply, clip: float, who: str, bit: bool = False,
+                 means: tuple[str, ...] = (), stats_clip: float = 1.0):
     """A client's reply as it leaves the client under ``--dp client``: its update clipped (:func:`clip_reply`),
-    integer entries as received, only ``num_examples`` 1 in its meta -- and with ``bit`` (a client that clips
-    itself: Flower's ClientApp) the clipping bit :data:`UNCLIPPED`, ``[||Delta|| <= clip]``, which the server's
-    adaptive clipping counts and its record reports. Returns (that message, the update's norm before clipping:
-    it stays with the client)."""
+    integer entries as received, its class-mean arrays (prefixes ``means``) clipped to ``stats_clip``
+    (:func:`clip_stats`), only ``num_examples`` 1 in its meta -- and with ``bit`` (a client that clips itself:
+    Flower's ClientApp) the clipping bit :data:`UNCLIPPED`, ``[||Delta|| <= clip]``, which the server's adaptive
+    clipping counts and its record reports. Returns (that message, the update's norm and the class-mean arrays'
+    norm before clipping: they stay with the client)."""
     from .method import Message
 
-    arrays, norm = clip_reply(payload_arrays, reply.arrays, clip, who)
-    return Message(arrays, {"num_examples": 1, **({UNCLIPPED: int(norm <= clip)} if bit else {})}), norm
+    stats, rest = split_stats(reply.arrays, means)
+    arrays, norm = clip_reply(payload_arrays, rest, clip, who)
+    stats, stats_norm = clip_stats(stats, stats_clip)
+    return Message({**arrays, **stats}, {"num_examples": 1, **({UNCLIPPED: int(norm <= clip)} if bit else {})}), \
+        norm, stats_norm
 
 
 def phase_reply(phase: str, who: str, reply):
@@ -184,25 +258,35 @@ def phase_reply(phase: str, who: str, reply):
     return Message({}, {"num_examples": 1})
 
 
-def not_clipped(payload_arrays: dict[str, torch.Tensor], reply, clip: float) -> str | None:
+def _slack(arrays: dict[str, torch.Tensor]) -> float:
+    """The L2 norm of the rounding of ``arrays``' floating-point entries to their dtype (``eps |w|`` each)."""
+    floats = [v for v in arrays.values() if v.is_floating_point()]
+    return math.sqrt(sum(float(((torch.finfo(v.dtype).eps * v.to(torch.float64)) ** 2).sum()) for v in floats))
+
+
+def not_clipped(payload_arrays: dict[str, torch.Tensor], reply, clip: float, means: tuple[str, ...] = (),
+                stats_clip: float = 1.0) -> str | None:
     """Why a reply that its client says it clipped (:func:`client_reply` with the bit) is not as it must be, or
-    None: its update's norm above ``clip`` by more than the rounding of its floating-point entries to their dtype
-    (``eps |w|`` each, ``eps`` the dtype's machine epsilon), an integer entry other than received, or meta other
-    than ``num_examples`` 1 and the bit."""
+    None: its update's norm above ``clip`` (its class-mean arrays' above ``stats_clip``) by more than the rounding
+    of its floating-point entries to their dtype (``eps |w|`` each, ``eps`` the dtype's machine epsilon), an
+    integer entry other than received, or meta other than ``num_examples`` 1 and the bit."""
     meta = dict(reply.meta)
     bit = meta.pop(UNCLIPPED, None)
     if meta != {"num_examples": 1} or bit not in (0, 1):
         return f"--dp client: its reply carries {', '.join(sorted(reply.meta)) or 'no meta'}, not num_examples 1 " \
                f"and the clipping bit: its SuperNode does not clip (another fedlt?)"
-    if unreceived(payload_arrays, reply.arrays) is not None:
+    stats, rest = split_stats(reply.arrays, means)
+    if unreceived(payload_arrays, rest) is not None:
         return "--dp client: it sends entries it did not receive, whose update cannot be clipped"
-    norm = norm_of(delta_of(payload_arrays, reply.arrays))
-    floats = [v for v in reply.arrays.values() if v.is_floating_point()]
-    slack = math.sqrt(sum(float(((torch.finfo(v.dtype).eps * v.to(torch.float64)) ** 2).sum()) for v in floats))
-    if norm > clip + slack or any(not torch.equal(v, payload_arrays[k]) for k, v in reply.arrays.items()
-                                  if not v.is_floating_point()):
+    norm = norm_of(delta_of(payload_arrays, rest))
+    if norm > clip + _slack(rest) or any(not torch.equal(v, payload_arrays[k]) for k, v in rest.items()
+                                         if not v.is_floating_point()):
         return f"--dp client: its update's norm {norm:.6g} passes the clip {clip:.6g} (or it changed an integer " \
                f"entry): its SuperNode does not clip (another fedlt?)"
+    stats_norm = norm_of({k: v.to(torch.float64) for k, v in stats.items() if v.is_floating_point()})
+    if stats_norm > stats_clip + _slack(stats):
+        return f"--dp client: its class statistics' norm {stats_norm:.6g} passes --dp-stats-clip {stats_clip:.6g}: " \
+               f"its SuperNode does not clip them (another fedlt?)"
     return None
 
 
@@ -231,6 +315,41 @@ def noised_replies(bases: dict[int, dict[str, torch.Tensor]], clipped: dict[int,
     return out
 
 
+def noised_class_means(stats: dict[int, dict[str, torch.Tensor]], prefixes: tuple[str, ...], num_classes: int,
+                       noise: float, clip: float, gen: torch.Generator) -> dict[int, dict[str, torch.Tensor]]:
+    """The replies' class-mean arrays (prefixes ``prefixes``; each reply's clipped to ``clip``) rewritten so that
+    the mean over the replies that carry a class (every reply carries every kept class) is, per class ``c``,
+    ``(sum_k g_kc + N(0, (noise clip)^2)) / (n_c + N(0, noise^2 num_classes))``: ``g_kc`` a reply's arrays of class
+    ``c`` (zero where it lacks the class), ``n_c`` the replies holding ``c``; a class is kept where its noised count
+    is at least 1. The noise is drawn from ``gen``, per prefix: its counts, then its arrays in name order."""
+    m = len(stats)
+    out: dict[int, dict[str, torch.Tensor]] = {cid: {} for cid in stats}
+    if m == 0:
+        return out
+    for p in prefixes:
+        ids = f"{p}.classes"
+        held = {cid: [int(c) for c in a[ids].tolist()] if ids in a else [] for cid, a in stats.items()}
+        count = torch.zeros(num_classes, dtype=torch.float64)
+        for cls in held.values():
+            count[cls] += 1
+        noised = count + torch.randn(num_classes, generator=gen, dtype=torch.float64) * (noise * math.sqrt(num_classes))
+        kept = [c for c in range(num_classes) if noised[c] >= 1]
+        names = sorted({k for a in stats.values() for k in a if k.split(".")[0] == p and k != ids})
+        for cid in stats:
+            out[cid][ids] = torch.as_tensor(kept, dtype=torch.long)
+        for k in names:
+            like = next(a[k] for a in stats.values() if k in a)
+            dense = {cid: torch.zeros((num_classes, *like.shape[1:]), dtype=torch.float64) for cid in stats}
+            for cid, a in stats.items():
+                if k in a:
+                    dense[cid][held[cid]] = a[k].to(torch.float64).cpu()
+            draw = torch.randn((num_classes, *like.shape[1:]), generator=gen, dtype=torch.float64) * (noise * clip)
+            for cid in stats:
+                scale = (m / noised[kept]).reshape(-1, *[1] * (like.dim() - 1))
+                out[cid][k] = (scale * (dense[cid][kept] + draw[kept] / m)).to(like.dtype).to(like.device)
+    return out
+
+
 class ClientDP:
     """The run's client-level DP (``--dp client``): the clipping each client applies to its reply, the noise the
     server adds, the sampling rate, and the accountant's epsilon after each round (a function of the rounds
@@ -238,7 +357,8 @@ class ClientDP:
 
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
                  budget: float | None, population: int, per_round: int, rounds: int, quantile: float | None = None,
-                 clip_lr: float = 0.2, count_noise: float | None = None):
+                 clip_lr: float = 0.2, count_noise: float | None = None, means: tuple[str, ...] = (),
+                 num_classes: int = 0, stats_clip: float | None = None):
         require()
         self.clip, self.population, self.rounds = float(clip), int(population), int(rounds)
         self.first_clip = self.clip
@@ -251,7 +371,12 @@ class ClientDP:
         self.quantile, self.clip_lr = quantile, float(clip_lr)
         self.count_noise = None if quantile is None else \
             float(count_noise) if count_noise is not None else per_round / 20
-        self.update_noise = self.noise if quantile is None else update_noise(self.noise, self.count_noise)
+        # class-mean statistics (core.privacy.CLASS_MEAN): clipped to stats_clip, their sums and counts noised
+        self.means, self.num_classes = tuple(means), int(num_classes)
+        self.stats_clip = float(stats_clip) if stats_clip is not None else 1.0
+        self.releases = 1 + 2 * len(self.means)
+        self.update_noise = update_noise(self.noise, self.count_noise, self.releases)
+        self.stats_norms: list[float] = []  # the round's class-mean norms before clipping (the simulator)
         self.bases: dict[int, dict] = {}  # the round's replies' references: what each client received
         self.used = self.clip  # the round's clip (adaptive clipping moves self.clip for the next one)
         self.unclipped: list[bool] = []  # the round's clipping bits: each update within the clip
@@ -261,13 +386,16 @@ class ClientDP:
     def client_side(self, payloads: dict, replies: list) -> list:
         """Each reply as its client sends it under DP: the update clipped, integer entries as received, only
         ``num_examples`` 1 in its meta (every client weighs 1; its statistics stay with it)."""
-        self.bases, self.norms, self.unclipped, self.used = {}, [], [], self.clip
+        self.bases, self.norms, self.unclipped, self.used, self.stats_norms = {}, [], [], self.clip, []
         out = []
         for cid, reply in replies:
             base = payloads[cid].arrays
-            message, norm = client_reply(base, reply, self.clip, f"client {cid}")
+            message, norm, stats_norm = client_reply(base, reply, self.clip, f"client {cid}", means=self.means,
+                                                     stats_clip=self.stats_clip)
             self.bases[cid] = base
             self.norms.append(norm)
+            if self.means:
+                self.stats_norms.append(stats_norm)
             self.unclipped.append(norm <= self.clip)
             out.append((cid, message))
         return out
@@ -279,11 +407,11 @@ class ClientDP:
         why. The norms before clipping stay on the clients (the record's ``dp_update_norm`` is None)."""
         from .method import Message
 
-        self.bases, self.norms, self.unclipped, self.used = {}, [], [], self.clip
+        self.bases, self.norms, self.unclipped, self.used, self.stats_norms = {}, [], [], self.clip, []
         out, why = [], {}
         for cid, reply in replies:
             base = payloads[cid].arrays
-            if (wrong := not_clipped(base, reply, self.clip)) is not None:
+            if (wrong := not_clipped(base, reply, self.clip, self.means, self.stats_clip)) is not None:
                 why[cid] = wrong
                 continue
             self.bases[cid] = base
@@ -299,16 +427,22 @@ class ClientDP:
 
     def server_side(self, replies: list, gen: torch.Generator) -> list:
         """The replies whose uniform mean is the received model plus the noised sum of the clipped updates over
-        the fixed denominator."""
+        the fixed denominator, and whose class-mean arrays give the noised per-class means
+        (:func:`noised_class_means`)."""
         from .method import Message
 
-        rows = noised_replies(self.bases, {c: r.arrays for c, r in replies}, self.update_noise, self.clip,
+        parts = {c: split_stats(r.arrays, self.means) for c, r in replies}
+        rows = noised_replies(self.bases, {c: rest for c, (_, rest) in parts.items()}, self.update_noise, self.clip,
                               self.denominator, gen)
         if self.quantile is not None:  # the noised share of unclipped updates moves the next round's clip
             unclipped = sum(self.unclipped)
             noised = (unclipped + float(torch.randn((), generator=gen, dtype=torch.float64)) * self.count_noise) \
                 / self.denominator
             self.clip *= math.exp(-self.clip_lr * (noised - self.quantile))
+        if self.means:
+            stats = noised_class_means({c: s for c, (s, _) in parts.items()}, self.means, self.num_classes,
+                                       self.update_noise, self.stats_clip, gen)
+            rows = {c: {**row, **stats[c]} for c, row in rows.items()}
         return [(c, Message(rows[c], r.meta)) for c, r in replies]
 
     def state_dict(self) -> dict:
@@ -338,9 +472,13 @@ class ClientDP:
         (None where the clients clipped them: :meth:`arrived`)."""
         n, m = len(self.unclipped), len(self.norms)
         clipped = sum(x > self.used for x in self.norms) if m else sum(not b for b in self.unclipped)
+        s = len(self.stats_norms)
         return {"dp_clipped": clipped / n if n else 0.0,
                 "dp_update_norm": float(sorted(self.norms)[m // 2]) if m else None,
-                **({} if self.quantile is None else {"dp_clip": self.used})}
+                **({} if self.quantile is None else {"dp_clip": self.used}),
+                **({} if not self.means else {
+                    "dp_stats_clipped": sum(x > self.stats_clip for x in self.stats_norms) / s if s else None,
+                    "dp_stats_norm": float(sorted(self.stats_norms)[s // 2]) if s else None})}
 
     def table(self, rounds: int) -> dict:
         """summary.json's ``dp``: the privacy loss and every input of the accountant, to recompute it."""
@@ -353,6 +491,11 @@ class ClientDP:
                     "clipping": "adaptive (Andrew et al. 2021)", "clip_quantile": self.quantile,
                     "clip_lr": self.clip_lr, "count_noise": self.count_noise, "update_noise": self.update_noise,
                     "last_clip": self.clip}),
+                **({} if not self.means else {
+                    "class_means": list(self.means), "num_classes": self.num_classes, "stats_clip": self.stats_clip,
+                    "releases": self.releases, "release_noise": self.update_noise,
+                    "class_mean_noise": "per class: N(0, (release_noise stats_clip)^2) on each sum, N(0, "
+                                        "release_noise^2 num_classes) on the count of clients holding it"}),
                 "weighting": "uniform (every client 1), fixed denominator sample_rate x population",
                 "adjacency": "add or remove one client", "target_epsilon": self.target,
                 "accountant": f"dp-accounting {version('dp-accounting')} rdp.RdpAccountant (orders 2-255, 256, "

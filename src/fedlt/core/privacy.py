@@ -48,6 +48,15 @@ ROUNDS = "rounds"  # a Sent's ``when``: the training rounds (else a phase's name
 ANY = "*"
 ENV = "FEDLT_CHECK_SENDS"  # "1": an undeclared item stops the run (tests, development)
 UNDECLARED = "undeclared"
+# what privatises a declared item under --dp client (fedlt.core.dp), besides the model's entries:
+UPDATE = "update"  # an entry the client received and sends back, which the server averages: clipped and noised
+#                    with the model's update (RedGrape's supplementary classifier)
+CLASS_MEAN = "class-mean"  # per-class arrays PREFIX.* keyed by the class ids PREFIX.classes, of which the server
+#                    needs, per class, the mean over the clients that hold it (core.classgrad.mean_class_grads):
+#                    clipped on the client, the per-class sums and counts noised on the server
+DP_MECHANISMS = {UPDATE: "clipped and noised with the model update",
+                 CLASS_MEAN: "noised per-class means: clipped on the client, their per-class sums and the count of "
+                             "clients holding each class noised on the server"}
 DOC = "docs/privacy.md"
 
 
@@ -56,7 +65,9 @@ class Sent:
     """One thing a method's clients send: ``name``, an fnmatch pattern of an array name (or :data:`MODEL`: any
     entry of the model's state dict) or of a meta key (``meta``); its ``category`` (:data:`CATEGORIES`) and in
     words ``what`` it is; ``when``: ``"rounds"`` (the training rounds), a post-training phase's name, or ``"*"``;
-    ``numbers_only``: a meta pattern that matches only numbers (int, float, bool: losses and their parts)."""
+    ``numbers_only``: a meta pattern that matches only numbers (int, float, bool: losses and their parts); ``dp``:
+    the mechanism that privatises it under ``--dp client`` where its category alone would be refused
+    (:data:`DP_MECHANISMS`; the training rounds' arrays only)."""
 
     name: str
     category: str
@@ -64,6 +75,7 @@ class Sent:
     meta: bool = False
     when: str = ROUNDS
     numbers_only: bool = False
+    dp: str = ""
 
     def __post_init__(self):
         if self.category not in CATEGORIES:
@@ -73,6 +85,10 @@ class Sent:
             raise ValueError(f"Sent {self.name!r}: numbers_only applies to meta values (meta=True)")
         if self.name == MODEL and self.meta:
             raise ValueError(f"Sent {MODEL}: the model's entries are arrays, not meta values")
+        if self.dp and (self.dp not in DP_MECHANISMS or self.meta or self.when != ROUNDS
+                        or (self.dp == CLASS_MEAN and "." not in self.name)):
+            raise ValueError(f"Sent {self.name!r}: dp={self.dp!r} must be one of {', '.join(DP_MECHANISMS)}, on an "
+                             f"array of the training rounds ({CLASS_MEAN}: named PREFIX.NAME)")
 
     def applies(self, exchange: str) -> bool:
         return self.when in (ANY, exchange)
@@ -83,9 +99,9 @@ class Sent:
 
 
 def sent(name: str, category: str, what: str, *, meta: bool = False, when: str = ROUNDS,
-         numbers_only: bool = False) -> Sent:
+         numbers_only: bool = False, dp: str = "") -> Sent:
     """A :class:`Sent` (its category checked against :data:`CATEGORIES`)."""
-    return Sent(name, category, what, meta, when, numbers_only)
+    return Sent(name, category, what, meta, when, numbers_only, dp)
 
 
 def class_gaussian_sends(prefix: str, when: str, backbone: str) -> tuple[Sent, ...]:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..config import RunConfig, clients_per_round, lr_at, worker_count
-from ..core.dp import ClientDP
+from ..core.dp import ClientDP, class_means
 from ..core.dpsgd import SampleDP
 from ..core.method import Message, Method, derive_seed
 from ..core.privacy import sends_check
@@ -180,7 +180,9 @@ class Driver:
         # assumes; else exactly per_round clients, uniformly without replacement
         self.dp = None if cfg.dp != "client" else ClientDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta,
                                                             cfg.dp_budget, num_clients, per_round, cfg.rounds,
-                                                            cfg.dp_clip_quantile, cfg.dp_clip_lr, cfg.dp_count_noise)
+                                                            cfg.dp_clip_quantile, cfg.dp_clip_lr, cfg.dp_count_noise,
+                                                            class_means(method.sends), method.spec.num_classes,
+                                                            cfg.dp_stats_clip)
         self.schedule = sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed) if self.dp is None else \
             poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed)
         if cfg.dp == "sample":  # --dp sample (core.dpsgd): DP-SGD in every client's described steps, an accountant each

@@ -56,7 +56,7 @@ from ..core import (Message, Method, Predictor, ce_loss, derive_seed, load_weigh
                     weights_of)
 from ..core.classgrad import head_ce_grads, mean_class_grads, pack_class_grads
 from ..core.dsa import siamese_augment
-from ..core.privacy import sent
+from ..core.privacy import CLASS_MEAN, sent
 from ..core.retrain import retrain_head
 from ..decl import setting
 from ..registry import METHODS
@@ -117,9 +117,9 @@ class CReFF(Method):
         labels: torch.Tensor | None = None  # their class labels
 
     sends = Method.sends + (
-        sent("grad.classes", "class-counts", "the classes the client holds, [|C_k|] class ids"),
+        sent("grad.classes", "class-counts", "the classes the client holds, [|C_k|] class ids", dp=CLASS_MEAN),
         sent("grad.[wb]", "class-gradients", "per held class, the gradient of the re-trained head's CE on its real "
-             "features w.r.t. (W, b): [|C_k|, C, d] and [|C_k|, C]"),
+             "features w.r.t. (W, b): [|C_k|, C, d] and [|C_k|, C]", dp=CLASS_MEAN),
     )
 
     def new_head(self, purpose: int, rnd: int = 0) -> nn.Linear:

@@ -55,7 +55,7 @@ from torch import nn
 
 from ..core import Meter, Message, Method, derive_seed, load_weights, make_optimizer, weighted_average, weights_of
 from ..core.classgrad import head_ce_grads, mean_class_grads, pack_class_grads, unpack_class_grads
-from ..core.privacy import sent
+from ..core.privacy import CLASS_MEAN, UPDATE, sent
 from ..core.proximal import proximal_term
 from ..core.retrain import local_features
 from ..core.sampling import per_class_subset
@@ -86,10 +86,10 @@ class RedGrape(Method):
         protos: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     sends = Method.sends + (
-        sent("sup.*", "model-part", "the trained supplementary classifier W^, b^"),
-        sent("proto.classes", "class-counts", "the classes the client holds, [|C_k|] class ids"),
+        sent("sup.*", "model-part", "the trained supplementary classifier W^, b^", dp=UPDATE),
+        sent("proto.classes", "class-counts", "the classes the client holds, [|C_k|] class ids", dp=CLASS_MEAN),
         sent("proto.[wb]", "class-gradients", "local gradient prototypes: per held class, the mean CE gradient of "
-             "the received head on its samples w.r.t. (W, b), [|C_k|, C, d] and [|C_k|, C]"),
+             "the received head on its samples w.r.t. (W, b), [|C_k|, C, d] and [|C_k|, C]", dp=CLASS_MEAN),
     )
 
     def __init__(self, spec, params=None):

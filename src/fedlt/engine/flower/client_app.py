@@ -64,7 +64,7 @@ from flwr.app import Context, Message as FlwrMessage, RecordDict
 from flwr.clientapp import ClientApp
 
 from ...config import RunConfig
-from ...core.dp import client_reply, phase_reply
+from ...core.dp import class_means, client_reply, phase_reply
 from ...core.method import Message, Method, RunSpec
 from ...core.spec import milestones_text
 from ...core.state import tree_of
@@ -277,7 +277,8 @@ def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
         if "dp-clip" not in ctl:
             raise ConfigError("--dp client: the train message carries no clip (dp-clip), so the update cannot be "
                               "clipped here: the server runs another fedlt")
-        reply, _ = client_reply(payload.arrays, reply, float(ctl["dp-clip"]), f"client {node.cid}", bit=True)
+        reply, _, _ = client_reply(payload.arrays, reply, float(ctl["dp-clip"]), f"client {node.cid}", bit=True,
+                                   means=class_means(node.method.sends), stats_clip=node.job.cfg.dp_stats_clip or 1.0)
     return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 
