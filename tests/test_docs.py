@@ -259,20 +259,6 @@ def run_blocks(name: str, text: str, cwd: Path, env: dict[str, str], short: bool
     return outputs
 
 
-def test_writing_a_method_tutorial_runs(tmp_path):
-    work = tmp_path / "work"
-    work.mkdir()
-    doc = ROOT / "docs" / "writing-a-method.md"
-    outputs = run_blocks(doc.name, doc.read_text(), work, doc_env(tmp_path))
-    assert len(outputs) == 4
-    # the blocks did what the tutorial says: a method file, its tests, a comparison with a report, a plugin
-    assert "4 passed" in outputs[0]
-    report = (work / "runs" / "la-vs-fedloge" / "report" / "report.md").read_text()
-    assert "fedavg-la" in report and "fedloge" in report
-    assert list((tmp_path / "site-packages").glob("fedavg_la-*.dist-info/entry_points.txt"))
-    assert "(plugin fedavg-la 0.1.0)" in outputs[-1]
-
-
 def section(text: str, heading: str) -> str:
     """A ``## heading`` section of a Markdown text, up to the next ``## ``."""
     start = text.index(f"## {heading}\n")
@@ -460,18 +446,6 @@ def work_dir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
         f.chmod(0o755)
     env = {**doc_env(tmp_path), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "HOME": str(work)}
     return work, env
-
-
-@pytest.mark.parametrize("page", [p for p in pages() if page_text(p).count("```")])
-def test_page_commands_run(tmp_path, page):
-    """Every block of a page that the tests above do not run: run in order (shortened where ``SHORTEN`` says),
-    its output compared with the page's, or parsed where the page marks it not run here."""
-    work, env = work_dir(tmp_path)
-    for name, text in FIXTURES.get(page, {}).items():
-        if isinstance(text, tuple):  # (language, k): the page's k-th block of that language
-            text = [code for lang, _, code, _ in code_blocks((ROOT / page).read_text()) if lang == text[0]][text[1]]
-        (work / name).write_text(text)
-    run_blocks(page, page_text(page), work, env, short=page in SHORTEN, python=False)
 
 
 def test_every_shell_block_is_run_or_says_why_not():
