@@ -459,6 +459,9 @@ def test_every_shell_block_is_run_or_says_why_not():
             if lang == "" and not command_lines(code):
                 continue  # a listing (a folder tree)
             why = not_run(code)
+            first = code.strip().splitlines()[0] if code.strip() else ""
+            assert why or not first.startswith("# not run"), \
+                f"{page}:{line}: its first line must read '# not run by the tests: WHY' (else the block runs)"
             (marked if why else unrun).append((f"{page}:{line}", why))
     print(f"\n{len(unrun)} shell blocks run, {len(marked)} marked not run here:")
     for where, why in marked:
