@@ -220,3 +220,23 @@ def test_dp_sgd_with_moderate_noise_still_learns():
     sim, final = run_small("fedavg", **{**DP, "rounds": 8, "eval_every": 8})
     assert sim.dp.epsilon(8) < 10
     assert final_gm(final)["acc"] > 0.3  # chance: 0.1
+
+
+def test_the_budget_stops_before_the_round_whose_worst_client_would_pass_it(tmp_path):
+    """--dp-budget under --dp sample: the run ends cleanly (its phases and final evaluation) after the last round in
+    which no client passes the budget; the same run without a budget shows that the next round's worst client
+    would have passed it (its epsilon after that round, from its accountant)."""
+    over = {**DP, "rounds": 8, "eval_every": 8, "local_epochs": 1}
+    free = rundir.run(small_config(**over, out=str(tmp_path), name="free"), progress=False, echo=lambda *a: None)
+    eps = [json.loads(x)["dp_epsilon"] for x in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()
+           if '"round"' in x]
+    budget = (eps[3] + eps[4]) / 2  # between the worst epsilons after rounds 4 and 5
+    assert eps[3] < budget < eps[4] and free["dp"]["epsilon"] == eps[-1]
+    said = []
+    stopped = rundir.run(small_config(**over, dp_budget=budget, out=str(tmp_path), name="b"), progress=False,
+                         echo=lambda *a: said.append(" ".join(map(str, a))))
+    assert stopped["dp"]["rounds"] == 4 and stopped["dp"]["epsilon"] == eps[3] <= budget
+    assert stopped["stopped"].startswith("stopped before round 5") and stopped["final"] is not None
+    # the round's worst client, as its accountant would have it after the round (the free run's: the clients that
+    # did not train in round 5 stay below the budget, so its worst after round 5 trained in it)
+    assert f"would reach {eps[4]:.3g} in it" in stopped["stopped"], stopped["stopped"]

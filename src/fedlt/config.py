@@ -214,8 +214,9 @@ class RunConfig:
                                                 "means (CReFF's, RedGrape's per-class gradients)", low=0,
                                           low_open=True, metavar="C", group=PRIVACY, reads=("engine",),
                                           none_means="1.0")
-    dp_budget: float | None = setting(None, "--dp client: stop (cleanly, exit 0) before a round whose epsilon would "
-                                            "pass this", low=0, low_open=True, metavar="E", group=PRIVACY,
+    dp_budget: float | None = setting(None, "stop (cleanly, exit 0) before a round whose epsilon (--dp sample: "
+                                            "its worst client's) would pass this", low=0, low_open=True,
+                                      metavar="E", group=PRIVACY,
                                       reads=("engine",), none_means="no budget")
     # secure aggregation (fedlt.core.secagg, docs/secure-aggregation.md): Flower's SecAgg+ and its parameters
     secagg: bool = setting(False, "secure aggregation: Flower's SecAgg+ masks each client's update, the server "
@@ -757,7 +758,9 @@ RELATIONS: list[Relation] = [
     *[applies_when(name, lambda c: c.dp == "client", f"--{name.replace('_', '-')} applies to --dp client; add "
                    f"--dp client or drop it", others=("dp",),
                    bad=({name: value}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, name: value}))
-      for name, value in (("dp_budget", 8.0), ("dp_clip_quantile", 0.5), ("dp_stats_clip", 1.0))],
+      for name, value in (("dp_clip_quantile", 0.5), ("dp_stats_clip", 1.0))],
+    applies_when("dp_budget", lambda c: c.dp != "off", "--dp-budget applies to --dp client and --dp sample; add one or "
+                 "drop it", others=("dp",), bad=({"dp_budget": 8.0},)),
     applies_when("dp_stats_clip",
                  lambda c: c.dp != "client" or bool(class_means(getattr(_method_class(c), "sends", ()))),
                  lambda c: f"--dp-stats-clip clips the class statistics of a method that sends them as noised "

@@ -159,9 +159,13 @@ class SampleDP:
     they leave, the round's record, the checkpoint, the summary's table)."""
 
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
-                 schedule: list[list[int]], sizes: Callable[[], Any]):
+                 schedule: list[list[int]], sizes: Callable[[], Any], budget: float | None = None,
+                 batch_size: int = 32, local_epochs: int = 1):
         require()
         self.clip, self.noise, self.target, self._delta = float(clip), noise, target, delta
+        # --dp-budget: the round whose clients' epsilons it would pass is not run (:meth:`over_budget`)
+        self.budget, self.schedule, self.batch_size, self.local_epochs = budget, schedule, batch_size, local_epochs
+        self.steps_of: dict[int, int] = {}  # each client's steps in a round it trains (known once it has)
         self.rounds_of: dict[int, int] = {}  # each client's rounds in the sampling schedule (--dp-epsilon)
         for cids in schedule:
             for c in cids:
@@ -198,6 +202,7 @@ class SampleDP:
         L = batches_per_epoch(n, spec.batch_size)
         rate, epochs = 1.0 / L, spec.local_epochs if steps.epochs is None else steps.epochs
         z = self.noise_of(cid, rate, epochs * L)
+        self.steps_of[cid] = epochs * L
         run = StepRun(method, steps, lr)
         run.net.train()
         trained = [run.live[k] for k in run.groups]
@@ -279,7 +284,25 @@ class SampleDP:
         return self.worst()[1]
 
     def over_budget(self, rnd: int) -> str | None:
-        return None  # --dp-budget applies to --dp client (a relation of fedlt.config)
+        """Why round ``rnd`` may not run (a client it samples would end it with an epsilon past --dp-budget), or
+        None. A client's steps in a round are fixed (``L`` Poisson batches an epoch): the epochs its method's steps
+        ran before, else the run's local epochs; its noise as :meth:`run_steps` would take it."""
+        if self.budget is None or rnd > len(self.schedule):
+            return None
+        sizes = np.asarray(self.sizes())
+        worst, eps = None, 0.0
+        for c in self.schedule[rnd - 1]:
+            L = batches_per_epoch(int(sizes[c]), self.batch_size)
+            steps = self.steps_of.get(c, self.local_epochs * L)
+            z = self.noises.get(c, float(self.noise) if self.noise is not None else noise_for(
+                float(self.target), self.delta, 1.0 / L, steps * max(1, self.rounds_of.get(c, 1))))
+            e = epsilon_of(tuple(map(tuple, self.histories.get(c, []))) + ((z, 1.0 / L, steps),), self.delta)
+            if e > eps:
+                worst, eps = c, e
+        if eps <= self.budget:
+            return None
+        return (f"stopped before round {rnd}: client {worst}'s epsilon would reach {eps:.3g} in it, past --dp-budget "
+                f"{self.budget:g} (the worst client's after round {rnd - 1}: {self.worst()[1]:.3g})")
 
     def record(self) -> dict:
         """The round's DP fields of metrics.jsonl: the worst client so far, the share of per-sample gradients the
@@ -291,14 +314,16 @@ class SampleDP:
                 "dp_grad_norm": float(norms.median()) if len(norms) else None}
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: every client's accountant history, noise multiplier and sampling rate."""
+        """What a checkpoint keeps: every client's accountant history, noise multiplier, sampling rate and steps a
+        round (--dp-budget's foresight)."""
         return {"histories": {c: [list(h) for h in v] for c, v in self.histories.items()},
-                "noises": dict(self.noises), "rates": dict(self.rates)}
+                "noises": dict(self.noises), "rates": dict(self.rates), "steps": dict(self.steps_of)}
 
     def load_state_dict(self, d: dict) -> None:
         self.histories = {int(c): [tuple(h) for h in v] for c, v in d.get("histories", {}).items()}
         self.noises = {int(c): float(v) for c, v in d.get("noises", {}).items()}
         self.rates = {int(c): float(v) for c, v in d.get("rates", {}).items()}
+        self.steps_of = {int(c): int(v) for c, v in d.get("steps", {}).items()}
 
     def table(self, rounds: int) -> dict:
         """summary.json's ``dp``: the worst client's epsilon, and every client's accountant inputs, to recompute

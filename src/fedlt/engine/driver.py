@@ -187,7 +187,8 @@ class Driver:
             poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed)
         if cfg.dp == "sample":  # --dp sample (core.dpsgd): DP-SGD in every client's described steps, an accountant each
             self.dp = method.dpsgd = SampleDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, self.schedule,
-                                              lambda: self.counts().sum(1))
+                                              lambda: self.counts().sum(1), cfg.dp_budget, method.spec.batch_size,
+                                              method.spec.local_epochs)
         self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)
         # --secagg (core.secagg): the server receives a training round's replies as SecAgg+ unmasks them; a transport
         # that runs the protocol itself says so (``secagg``: Flower's), the others' rounds simulate it (exchange)
