@@ -74,6 +74,7 @@ from .privacy import CLASS_MEAN, ROUNDS, UPDATE
 # integer RDP orders (fractional ones make dp-accounting's series fail to converge at large sampling rates)
 ORDERS = tuple(range(2, 256)) + (256, 512, 1024)
 ALLOWED = ("model", "size", "scalars")  # what a client sends that --dp client covers (the update) or drops
+STATS_CLIP = 1.0  # --dp-stats-clip's default: the norm a client's class-mean arrays are clipped to
 
 
 def require() -> Any:
@@ -231,7 +232,7 @@ UNCLIPPED = "dp_unclipped"  # the clipping bit a client that clips itself sends 
 
 
 def client_reply(payload_arrays: dict[str, torch.Tensor], reply, clip: float, who: str, bit: bool = False,
-                 means: tuple[str, ...] = (), stats_clip: float = 1.0):
+                 means: tuple[str, ...] = (), stats_clip: float = STATS_CLIP):
     """A client's reply as it leaves the client under ``--dp client``: its update clipped (:func:`clip_reply`),
     integer entries as received, its class-mean arrays (prefixes ``means``) clipped to ``stats_clip``
     (:func:`clip_stats`), only ``num_examples`` 1 in its meta -- and with ``bit`` (a client that clips itself:
@@ -265,7 +266,7 @@ def _slack(arrays: dict[str, torch.Tensor]) -> float:
 
 
 def not_clipped(payload_arrays: dict[str, torch.Tensor], reply, clip: float, means: tuple[str, ...] = (),
-                stats_clip: float = 1.0) -> str | None:
+                stats_clip: float = STATS_CLIP) -> str | None:
     """Why a reply that its client says it clipped (:func:`client_reply` with the bit) is not as it must be, or
     None: its update's norm above ``clip`` (its class-mean arrays' above ``stats_clip``) by more than the rounding
     of its floating-point entries to their dtype (``eps |w|`` each, ``eps`` the dtype's machine epsilon), an
@@ -373,7 +374,7 @@ class ClientDP:
             float(count_noise) if count_noise is not None else per_round / 20
         # class-mean statistics (core.privacy.CLASS_MEAN): clipped to stats_clip, their sums and counts noised
         self.means, self.num_classes = tuple(means), int(num_classes)
-        self.stats_clip = float(stats_clip) if stats_clip is not None else 1.0
+        self.stats_clip = float(stats_clip) if stats_clip is not None else STATS_CLIP
         self.releases = 1 + 2 * len(self.means)
         self.update_noise = update_noise(self.noise, self.count_noise, self.releases)
         self.stats_norms: list[float] = []  # the round's class-mean norms before clipping (the simulator)

@@ -64,7 +64,7 @@ from flwr.app import Context, Message as FlwrMessage, RecordDict
 from flwr.clientapp import ClientApp
 
 from ...config import RunConfig
-from ...core.dp import class_means, client_reply, phase_reply
+from ...core.dp import STATS_CLIP, class_means, client_reply, phase_reply
 from ...core.method import Message, Method, RunSpec
 from ...core.spec import milestones_text
 from ...core.state import tree_of
@@ -277,8 +277,9 @@ def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
         if "dp-clip" not in ctl:
             raise ConfigError("--dp client: the train message carries no clip (dp-clip), so the update cannot be "
                               "clipped here: the server runs another fedlt")
+        stats_clip = node.job.cfg.dp_stats_clip or STATS_CLIP  # class statistics (a class-mean method's)
         reply, _, _ = client_reply(payload.arrays, reply, float(ctl["dp-clip"]), f"client {node.cid}", bit=True,
-                                   means=class_means(node.method.sends), stats_clip=node.job.cfg.dp_stats_clip or 1.0)
+                                   means=class_means(node.method.sends), stats_clip=stats_clip)
     return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 
