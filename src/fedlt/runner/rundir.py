@@ -373,5 +373,9 @@ def format_summary(summary: dict) -> str:
         d = summary["dp"]
         lines.append(f"privacy: client-level ({d['epsilon']:.3g}, {d['delta']:.3g})-DP after {d['rounds']} rounds "
                      f"(noise multiplier {d['noise_multiplier']:.3g}, clip {d['clip']:g}, sampling rate "
-                     f"{d['sample_rate']:.3g}; summary.json's dp table has the accountant's inputs)")
+                     f"{d['sample_rate']:.3g}"
+                     + (f"; with the class statistics {', '.join(d['class_means'])}.* as noised per-class means, clip "
+                        f"{d['stats_clip']:g}, each release at noise multiplier {d['release_noise']:.3g}"
+                        if d.get("class_means") else "")
+                     + "; summary.json's dp table has the accountant's inputs)")
     return "\n".join(lines)
