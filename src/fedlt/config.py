@@ -802,7 +802,9 @@ RELATIONS: list[Relation] = [
              lambda c: f"--dp {c.dp} protects the model {'update' if c.dp == 'client' else 'DP-SGD trains'} only, and "
                        f"method {c.method}'s clients also send {', '.join(unprotected_by(c))}, which would leave "
                        f"unprotected; choose a method whose clients send only the model (fedavg, fedprox, fedavgm, "
-                       f"fedadam)",
+                       f"fedadam)" + (f", or one whose class statistics it privatises "
+                                      f"({', '.join(n for n, k in METHODS.items() if class_means(k.sends))})"
+                                      if c.dp == "client" else ""),
              when=lambda c: c.dp != "off", others=("method",),
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"},
                   {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"})),
