@@ -3,12 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import threading
-import time
-import traceback
 from concurrent.futures import Future
-from pathlib import Path
 
 # experiment trackers (fedlt.runner.trackers) in tests: nothing leaves the machine, nothing starts by default
 for _k, _v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
@@ -251,73 +247,31 @@ def resumed_as_uninterrupted(tmp_path, over: dict, n: int = 3) -> tuple[dict, di
 # starts their work with :func:`background`; each test then waits for its job's result and checks it. The work is
 # the same as in the test itself: only when it runs changes. (CPU-bound work gains nothing so: tried with the
 # documentation pages' commands, the suite took as long and the tests beside them slowed.)
-#
-# Under xdist every worker collects every test, so both start the session's jobs at once; a job is claimed in a
-# folder both see (SHARED: an empty file per job, created exclusively), runs in the worker that claimed it, and
-# leaves its result there for the other worker, which waits for it. A worker that has run its tests waits for its
-# jobs before it ends. So the deployments wait beside both workers' tests from the start, whichever worker their
-# tests are sent to (those files go last: by then the results are there).
 BACKGROUND: dict[str, Future] = {}
-SHARED: list = []  # [the folder] under xdist, once the session has started
-
-
-def _claim(name: str) -> bool:
-    """Whether this process runs job ``name``: always in one process; under xdist, if no worker claimed it yet."""
-    if not SHARED:
-        return True
-    try:
-        os.close(os.open(SHARED[0] / f"{name}.claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
-
-
-def _leave(name: str, ok: bool, value) -> None:
-    """A job's outcome where the other worker reads it (written whole, then renamed into place)."""
-    if SHARED:
-        tmp = SHARED[0] / f"{name}.tmp"
-        tmp.write_bytes(pickle.dumps((ok, value)))
-        tmp.rename(SHARED[0] / f"{name}.result")
 
 
 def background(jobs: dict) -> None:
     """Start ``jobs`` (name: a function of no arguments), each in a daemon thread of its own; :func:`job_result`
-    gives a job's result (a job started twice runs once, in one worker)."""
-    new = {k: f for k, f in jobs.items() if k not in BACKGROUND and _claim(k)}
+    gives a job's result (a job started twice runs once)."""
+    new = {k: f for k, f in jobs.items() if k not in BACKGROUND}
     for k in new:
         BACKGROUND[k] = Future()
 
     def work(k):
         try:
-            result = new[k]()
+            BACKGROUND[k].set_result(new[k]())
         except BaseException as e:  # noqa: BLE001 -- the test re-raises it
-            _leave(k, False, "".join(traceback.format_exception(e)))
             BACKGROUND[k].set_exception(e)
-            return
-        try:
-            _leave(k, True, result)
-        finally:
-            BACKGROUND[k].set_result(result)
 
     for k in new:
         threading.Thread(target=work, args=(k,), name=f"background-{k}", daemon=True).start()
 
 
 def job_result(name: str, fn, timeout: float = 3600):
-    """The result of background job ``name`` (``fn()`` started now if no one started it; under xdist, the other
-    worker's result if that one runs it)."""
-    background({name: fn})  # started by hand (a test run alone by its node id still has the session hook)
-    if name in BACKGROUND:
-        return BACKGROUND[name].result(timeout=timeout)
-    done, end = SHARED[0] / f"{name}.result", time.monotonic() + timeout
-    while not done.exists():
-        if time.monotonic() > end:
-            raise TimeoutError(f"background job {name} of the other xdist worker gave no result in {timeout:.0f} s")
-        time.sleep(0.5)
-    ok, value = pickle.loads(done.read_bytes())
-    if not ok:
-        raise RuntimeError(f"background job {name} failed in the other xdist worker:\n{value}")
-    return value
+    """The result of background job ``name`` (``fn()`` started now if no one started it)."""
+    if name not in BACKGROUND:
+        background({name: fn})  # started by hand (a test run alone by its node id still has the session hook)
+    return BACKGROUND[name].result(timeout=timeout)
 
 
 _STARTED: set = set()
@@ -335,38 +289,36 @@ def _start_background(session, only=None) -> None:
         mod.start_background(items, session.config._tmp_path_factory.mktemp(f"bg-{mod.__name__}", numbered=False))
 
 
-# under xdist (with --no-loadscope-reorder, as `make test` runs it) the files that take longest (many runs of a
-# page's commands, a Ray cluster) go first, one to each worker, so that no worker starts one of them when the other
-# has nothing left; the files whose tests wait for a deployment started with the session go last
-FIRST = ("test_docs_pages.py", "test_ray.py", "test_docs_tutorial.py", "test_docs.py", "test_flower_simulation.py")
-LAST = ("test_secagg.py", "test_flower_deploy.py")
+# the files that take longest (mostly waiting: deployments, a Ray cluster; or many runs of a page's commands) go
+# first under xdist (with --no-loadscope-reorder, as `make test` runs it), one to each worker, so that no worker
+# starts one of them when the other has nothing left
+FIRST = ("test_flower_deploy.py", "test_docs_pages.py", "test_ray.py", "test_docs_tutorial.py",
+         "test_flower_simulation.py", "test_secagg.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
     if XDIST:
-        rank = {**{name: i for i, name in enumerate(FIRST)}, **{name: 100 + i for i, name in enumerate(LAST)}}
+        rank = {name: i for i, name in enumerate(FIRST)}
         items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
 
 
 def pytest_collection_finish(session):
-    # at once, beside every other test; under xdist each job in the worker that claims it first (SHARED)
-    if session.config.option.collectonly:
-        return
-    if XDIST:  # the run's folder, above each worker's basetemp (popen-gwN)
-        SHARED.append(Path(session.config._tmp_path_factory.getbasetemp()).parent / "background-jobs")
-        SHARED[0].mkdir(exist_ok=True)
-    _start_background(session)
+    # in one process: at once, beside every other test. An xdist worker collects every test but runs the files it
+    # is sent (--dist loadfile: a module's tests all go to one worker), so it starts a module's jobs at the first
+    # test of that module it runs: they then run beside the other worker's tests
+    if not session.config.option.collectonly and not XDIST:
+        _start_background(session)
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """Under xdist, a worker done with its tests waits for the jobs it runs (the other worker may need them);
-    whatever deployment is still up (a session interrupted), down with it."""
+def pytest_runtest_setup(item):
+    mod = getattr(item, "module", None)
+    if XDIST and hasattr(mod, "start_background") and mod not in _STARTED:  # the first test of such a module
+        _start_background(item.session, only=mod)
+
+
+def pytest_sessionfinish(session):
+    """Whatever deployment is still up (a session interrupted), down with it."""
     import sys
-
-    if XDIST and exitstatus in (0, 1):
-        for k, f in list(BACKGROUND.items()):
-            with contextlib.suppress(Exception):
-                f.exception(timeout=3600)
 
     fc = sys.modules.get("flowercluster")
     for c in list(getattr(fc, "LIVE", ())):
