@@ -338,6 +338,7 @@ def noised_class_means(stats: dict[int, dict[str, torch.Tensor]], prefixes: tupl
         names = sorted({k for a in stats.values() for k in a if k.split(".")[0] == p and k != ids})
         for cid in stats:
             out[cid][ids] = torch.as_tensor(kept, dtype=torch.long)
+        scale = m / noised[kept]  # per kept class: the replies over its noised count
         for k in names:
             like = next(a[k] for a in stats.values() if k in a)
             dense = {cid: torch.zeros((num_classes, *like.shape[1:]), dtype=torch.float64) for cid in stats}
@@ -345,9 +346,9 @@ def noised_class_means(stats: dict[int, dict[str, torch.Tensor]], prefixes: tupl
                 if k in a:
                     dense[cid][held[cid]] = a[k].to(torch.float64).cpu()
             draw = torch.randn((num_classes, *like.shape[1:]), generator=gen, dtype=torch.float64) * (noise * clip)
+            per = scale.reshape(-1, *[1] * (like.dim() - 1))
             for cid in stats:
-                scale = (m / noised[kept]).reshape(-1, *[1] * (like.dim() - 1))
-                out[cid][k] = (scale * (dense[cid][kept] + draw[kept] / m)).to(like.dtype).to(like.device)
+                out[cid][k] = (per * (dense[cid][kept] + draw[kept] / m)).to(like.dtype).to(like.device)
     return out
 
 

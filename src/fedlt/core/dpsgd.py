@@ -183,12 +183,16 @@ class SampleDP:
         return float(self._delta)
 
     # ------------------------------------------------------------------------------------------- the client
-    def noise_of(self, cid: int, rate: float, per_round: int) -> float:
-        """Client ``cid``'s noise multiplier: --dp-noise, or solved for --dp-epsilon over its steps in the run."""
-        if cid not in self.noises:
-            self.noises[cid] = float(self.noise) if self.noise is not None else \
-                noise_for(float(self.target), self.delta, rate, per_round * max(1, self.rounds_of.get(cid, 1)))
-        return self.noises[cid]
+    def noise_of(self, cid: int, rate: float, per_round: int, keep: bool = True) -> float:
+        """Client ``cid``'s noise multiplier: --dp-noise, or solved for --dp-epsilon over its steps in the run (kept
+        once it trains; ``keep`` False: only asked, --dp-budget's foresight)."""
+        if cid in self.noises:
+            return self.noises[cid]
+        z = float(self.noise) if self.noise is not None else \
+            noise_for(float(self.target), self.delta, rate, per_round * max(1, self.rounds_of.get(cid, 1)))
+        if keep:
+            self.noises[cid] = z
+        return z
 
     def run_steps(self, method, steps: LocalSteps, data, gen: torch.Generator, lr: float | None = None) -> Trained:
         """One client's described steps as DP-SGD (the module doc): Poisson batches, per-sample gradients, opacus's
@@ -294,8 +298,7 @@ class SampleDP:
         for c in self.schedule[rnd - 1]:
             L = batches_per_epoch(int(sizes[c]), self.batch_size)
             steps = self.steps_of.get(c, self.local_epochs * L)
-            z = self.noises.get(c, float(self.noise) if self.noise is not None else noise_for(
-                float(self.target), self.delta, 1.0 / L, steps * max(1, self.rounds_of.get(c, 1))))
+            z = self.noise_of(c, 1.0 / L, steps, keep=False)
             e = epsilon_of(tuple(map(tuple, self.histories.get(c, []))) + ((z, 1.0 / L, steps),), self.delta)
             if e > eps:
                 worst, eps = c, e
