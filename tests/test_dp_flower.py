@@ -1,7 +1,8 @@
 """--dp client on the Flower engine: the ClientApp clips each update before it leaves the SuperNode and sends none of
 its statistics, the server checks what arrives instead of clipping it and adds the simulator's noise, so an in-process
 Flower run is the simulator's run (same Poisson sampling, noise, clip, epsilon, model); describe sends no label
-counts, and SuperNodes with their own data run without them."""
+counts, and SuperNodes with their own data run without them. --dp sample: each SuperNode trains by DP-SGD and sends
+its accountant's entries, the server keeps the accountants, and the run is the simulator's too."""
 from __future__ import annotations
 
 import json
@@ -136,17 +137,78 @@ def test_supernodes_with_their_own_data_run_dp_without_label_counts(tmp_path):
     assert "\n" not in str(e.value) and not (tmp_path / "fixed").exists()
 
 
+SAMPLE = dict(dp="sample", dp_clip=1.0, dp_epsilon=6.0, clients=4, participation=0.5, rounds=3, eval_every=3,
+              local_epochs=1, threads=1)
+
+
+@pytest.mark.parametrize("case", ["fedavg-secagg", "fedloge"])
+def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accountant_leave(tmp_path, case):
+    """Each SuperNode solves its own noise for the target epsilon (the server's delta, its rounds in the schedule),
+    trains by DP-SGD and sends its model, its size and its accountant's entries; the server's accountants give the
+    simulator's epsilons, table and model bit for bit (FedLoGe: its phases and personal heads too; FedAvg through
+    SecAgg+, each update weighted by its client's size). Describe sends the client's size and no label counts; the
+    per-sample gradient norms stay on the clients."""
+    pytest.importorskip("opacus")
+    over = dict(SAMPLE, method="fedloge") if case == "fedloge" else \
+        dict(SAMPLE, method="fedavg", secagg=True, participation=1.0)
+    sim = rundir.run(small_config(**over, out=str(tmp_path), name="sim"), progress=False, **QUIET)
+    st, grid, fl = run_inprocess(small_config(**over, out=str(tmp_path), name="fl"), **QUIET)
+    ref = load_final_state(tmp_path / "sim")["state"]
+    got = load_final_state(tmp_path / "fl")["state"]
+    assert all(torch.equal(got["weights"][k], ref["weights"][k]) for k in ref["weights"])
+    a, b = _lines(tmp_path / "sim", "metrics.jsonl"), _lines(tmp_path / "fl", "metrics.jsonl")
+    for key in ("dp_clipped", "dp_grad_norm"):
+        assert all(r.pop(key) is not None for r in a if "round" in r)
+        assert all(r.pop(key) is None for r in b if "round" in r)  # they stay on the clients
+    assert a == b and fl["dp"] == sim["dp"] and _timeless(fl["final"]) == _timeless(sim["final"])
+    assert _lines(tmp_path / "sim", "sent.jsonl") == _lines(tmp_path / "fl", "sent.jsonl")
+    assert fl["dp"]["epsilon"] <= 6.0 and len({c["noise_multiplier"] for c in fl["dp"]["clients"].values()}) > 1
+    for m in grid.replied:
+        kind = m.metadata.message_type
+        if kind == "query.describe":
+            assert set(control(m.content)) == {"client-id", "partition", "num-examples"}
+        elif kind == "evaluate":
+            reports = json.loads(str(control(m.content)["reports"]))
+            assert all(set(rep) == {"acc", *GROUPS} for rep in reports.values())
+        elif kind.startswith("train") and case == "fedloge":  # (SecAgg+'s replies are masked vectors)
+            meta = from_records(m.content).meta
+            assert set(meta) == {"num_examples", "dp_history"}, meta
+            assert kind == "train.phase" or meta["dp_history"]
+
+
+def test_the_server_keeps_the_accountants_from_what_arrives_and_refuses_a_reply_without_entries():
+    """SampleDP.arrived: the clients' entries continue their accountants as opacus's step merges them (the epsilon of
+    one client trained here equals the accountant's of the entries sent); a reply without entries, or with other
+    meta, is not used, in one line."""
+    from fedlt.core.dpsgd import HISTORY, SampleDP, epsilon_of
+
+    dp = SampleDP(1.0, 1.0, None, 1e-5, [[0, 1, 2]], lambda: [100, 100, 100])
+    w = {"a": torch.zeros(3)}
+    payloads = {c: Message(w, {}) for c in range(3)}
+    for _ in range(2):
+        replies = [(0, Message(w, {"num_examples": 100, HISTORY: [[1.0, 0.25, 4]]})),
+                   (1, Message(w, {"num_examples": 100})),
+                   (2, Message(w, {"num_examples": 100, HISTORY: [[1.0, 0.25, 4]], "loss": 0.3}))]
+        out, why = dp.arrived(payloads, replies)
+        assert [c for c, _ in out] == [0] and out[0][1].meta == {"num_examples": 100}
+        assert set(why) == {1, 2} and HISTORY in why[1] and "loss" in why[2] and "\n" not in why[1] + why[2]
+    assert dp.histories[0] == [(1.0, 0.25, 8)] and dp.steps_of[0] == 4
+    assert dp.epsilon(2) == epsilon_of(((1.0, 0.25, 8),), 1e-5)
+    assert dp.record()["dp_grad_norm"] is None
+
+
 def test_what_the_flower_engine_cannot_run_under_dp_is_one_line():
-    """--dp sample (DP-SGD's accountants live in the simulator's process), simulated round times (they need each
-    client's size, which the SuperNodes do not send under --dp client), and Flower's own Strategy.start loop (the
-    driver adds the noise and checks the clipping): refused, one line each."""
+    """Simulated round times (they need each client's counts, which the SuperNodes do not send under --dp), a
+    BatchNorm model under --dp sample, and Flower's own Strategy.start loop (the driver adds the noise and checks the
+    clipping): refused, one line each."""
     from flwr.app import ArrayRecord, ConfigRecord
 
     from fedlt.config import RunConfig
     from fedlt.engine.flower.strategy import FedltStrategy
 
     base = dict(dataset="digits", clients=4, dp_clip=1.0, dp_noise=1.0)
-    for over, says in (({"dp": "sample"}, "--dp sample runs in the simulator"),
+    for over, says in (({"dp": "sample", "model": "resnet8"}, "BatchNorm"),
+                       ({"dp": "sample", "speed_sigma": 0.5}, "--speed-sigma"),
                        ({"dp": "client", "speed_sigma": 0.5}, "--speed-sigma")):
         with pytest.raises(ConfigError, match=says) as e:
             FedltStrategy(RunConfig(**base, **over), **QUIET)

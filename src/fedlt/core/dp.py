@@ -402,12 +402,16 @@ class ClientDP:
             out.append((cid, message))
         return out
 
-    def arrived(self, payloads: dict, replies: list) -> tuple[list, dict[int, str]]:
+    def arrived(self, payloads: dict, replies: list, phase: str | None = None) -> tuple[list, dict[int, str]]:
         """The replies of clients that clipped their updates themselves (Flower's ClientApp: :func:`client_reply`
         with the bit), checked (:func:`not_clipped`) instead of clipped, their bits kept and taken out of their
         meta, so that the rest of the round sees what :meth:`client_side` gives; and the replies not used, with
-        why. The norms before clipping stay on the clients (the record's ``dp_update_norm`` is None)."""
+        why. The norms before clipping stay on the clients (the record's ``dp_update_norm`` is None). A phase's
+        replies: as :meth:`phase_side` gives them."""
         from .method import Message
+
+        if phase is not None:
+            return self.phase_side(phase, replies), {}
 
         self.bases, self.norms, self.unclipped, self.used, self.stats_norms = {}, [], [], self.clip, []
         out, why = [], {}

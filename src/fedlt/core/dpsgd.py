@@ -39,6 +39,15 @@ client's other samples (class counts or priors of its data in the loss would let
 sample's gradient). A subclass that changes a client hook without declaring it again is not covered. BatchNorm
 models are refused (:func:`check_model`): a sample's output there depends on its batch.
 
+On Flower (``fedlt flower``) each SuperNode runs its own client's DP-SGD (:meth:`SampleDP.on_client`, from the
+run's settings and what the train message says: ``delta``, the client's rounds in the schedule, its noise multiplier
+once the server knows it) and sends, beside its model and ``num_examples``, its accountant's new entries
+(:data:`HISTORY`: ``(z_i, q_i, steps)``, which follow from ``n_i`` and the run's settings); the server keeps every
+client's accountant from them (:meth:`SampleDP.arrived`), so that the run's epsilons, ``--dp-budget`` and the
+summary's table are the simulator's. The per-sample gradient norms stay on the clients (the record's
+``dp_clipped`` and ``dp_grad_norm`` are None there), and a SuperNode's describe sends its number of samples, no label
+counts.
+
 Not batched: the clients of a round train one after another under ``--dp sample`` (``--client-parallel auto`` falls
 back to that, ``--client-parallel N`` and ``--workers`` are refused); each client's per-sample gradients are
 vectorised over its batch.
@@ -57,6 +66,7 @@ from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_lo
 from .training import Meter
 
 HOOKS = ("init_client", "local_steps", "local_train", "local_reply")  # a class changing one declares again
+HISTORY = "dp_history"  # a client's accountant entries [(z, q, steps)] of one message, sent beside num_examples (Flower)
 WORKING_MODELS = "smallcnn, cnn-mcmahan, vgg11 or mlp"
 
 
@@ -106,6 +116,30 @@ def batches_per_epoch(n: int, batch_size: int) -> int:
     from ..data.federated import batch_bounds
 
     return max(1, len(batch_bounds(n, batch_size)))
+
+
+def extended(history: list, entries) -> list:
+    """``history`` with ``entries`` appended as opacus's ``RDPAccountant.step`` would have stepped them: an entry with
+    the last one's noise multiplier and sample rate adds its steps to it."""
+    out = [tuple(h) for h in history]
+    for z, q, n in entries:
+        if out and out[-1][:2] == (z, q):
+            out[-1] = (z, q, out[-1][2] + n)
+        else:
+            out.append((z, q, n))
+    return out
+
+
+def entries_of(cid: int, meta: dict) -> list | str:
+    """The accountant entries a client's reply carries (:data:`HISTORY`), or why they are not usable."""
+    raw = meta.get(HISTORY)
+    if not isinstance(raw, list) or not all(isinstance(e, (list, tuple)) and len(e) == 3 for e in raw):
+        return (f"client {cid} sent no DP-SGD accountant entries ({HISTORY}): its SuperNode trained without "
+                f"DP-SGD or runs another fedlt")
+    entries = [(float(z), float(q), int(n)) for z, q, n in raw]
+    if any(not (z >= 0 and 0 < q <= 1 and n >= 0) for z, q, n in entries):
+        return f"client {cid} sent accountant entries outside their ranges (noise >= 0, 0 < rate <= 1, steps >= 0)"
+    return entries
 
 
 @functools.lru_cache(maxsize=4096)
@@ -175,6 +209,37 @@ class SampleDP:
         self.noises: dict[int, float] = {}
         self.rates: dict[int, float] = {}
         self.norms: list[torch.Tensor] = []  # this round's per-sample gradient norms (before clipping)
+        self.remote = False  # the clients train by DP-SGD themselves (Flower's): their gradient norms stay there
+
+    @classmethod
+    def on_client(cls, cfg, cid: int, ctl) -> "SampleDP":
+        """A SuperNode's DP-SGD for its client ``cid`` (Flower): the run's clip and noise or target epsilon, and what
+        the server's message says (``dp-delta``; ``dp-rounds``: the client's rounds in the schedule, for
+        --dp-epsilon; ``dp-noise``: its noise multiplier, once the server knows it from an earlier reply)."""
+        if "dp-delta" not in ctl:
+            raise ConfigError("--dp sample: the message carries no delta (dp-delta), so this client cannot solve its "
+                              "noise: the server runs another fedlt")
+        dp = cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, float(ctl["dp-delta"]), [], lambda: [],
+                 batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
+        dp.rounds_of = {int(cid): int(ctl.get("dp-rounds", 1))}
+        if "dp-noise" in ctl:
+            dp.noises[int(cid)] = float(ctl["dp-noise"])
+        return dp
+
+    def client_reply(self, cid: int, reply, phase: str | None = None):
+        """A SuperNode's reply as it leaves under --dp sample: the model DP-SGD trained (a phase's: no arrays), its
+        ``num_examples`` and the accountant entries of this message (:data:`HISTORY`); nothing else."""
+        from .method import Message
+
+        if phase is not None:
+            reply = self.phase_side(phase, [(cid, reply)])[0][1]
+        keep = {k: reply.meta[k] for k in ("num_examples",) if k in reply.meta}
+        return Message(reply.arrays, {**keep, HISTORY: [list(h) for h in self.histories.get(int(cid), [])]})
+
+    def control(self, cid: int) -> dict:
+        """What a message to client ``cid`` says for its DP-SGD on a SuperNode (:meth:`on_client`)."""
+        out = {"dp-delta": self.delta, "dp-rounds": self.rounds_of.get(cid, 1)}
+        return {**out, "dp-noise": self.noises[cid]} if cid in self.noises else out
 
     @property
     def delta(self) -> float:
@@ -267,6 +332,27 @@ class SampleDP:
                                   f"{phase}, which DP-SGD did not train; this method cannot run under --dp sample")
         return [(cid, Message({}, {k: r.meta[k] for k in ("num_examples",) if k in r.meta})) for cid, r in replies]
 
+    def arrived(self, payloads: dict, replies: list, phase: str | None = None) -> tuple[list, dict[int, str]]:
+        """The replies of clients that trained by DP-SGD themselves (Flower's SuperNodes, :meth:`client_reply`): each
+        one's accountant entries added to its accountant here, then the reply as :meth:`client_side` (a phase's:
+        :meth:`phase_side`) gives it; a reply without usable entries, or with other meta, is not used and says
+        why."""
+        self.remote = True
+        out, why = [], {}
+        for cid, reply in replies:
+            entries = entries_of(cid, reply.meta)
+            extra = sorted(set(reply.meta) - {"num_examples", HISTORY})
+            if isinstance(entries, str) or extra:
+                why[cid] = entries if isinstance(entries, str) else \
+                    f"client {cid} sent {', '.join(extra)} beside its model, which DP-SGD does not cover"
+                continue
+            if entries:
+                self.histories[cid] = extended(self.histories.get(cid, []), entries)
+                self.noises[cid], self.rates[cid] = entries[-1][0], entries[-1][1]
+                self.steps_of[cid] = sum(n for _, _, n in entries)
+            out.append((cid, reply))
+        return (self.client_side(payloads, out) if phase is None else self.phase_side(phase, out)), why
+
     def server_side(self, replies: list, gen: torch.Generator) -> list:
         """Nothing: the noise was added on the clients."""
         return replies
@@ -312,6 +398,8 @@ class SampleDP:
         clip shortened and their median norm before clipping (the number to tune --dp-clip to)."""
         norms = torch.cat(self.norms) if self.norms else torch.zeros(0)
         self.norms = []
+        if self.remote:
+            return {"dp_worst_client": self.worst()[0], "dp_clipped": None, "dp_grad_norm": None}
         return {"dp_worst_client": self.worst()[0],
                 "dp_clipped": float((norms > self.clip).double().mean()) if len(norms) else 0.0,
                 "dp_grad_norm": float(norms.median()) if len(norms) else None}

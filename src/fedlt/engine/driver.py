@@ -273,8 +273,9 @@ class Driver:
         payloads = self.payloads(kind, index, [c for c in cids if c not in why], make_payload)
         replies, lost = self.transport.send_and_receive(kind, index, payloads) if payloads else ([], {})
         why.update(lost)
-        if self.dp is not None and kind == TRAINING and getattr(self.transport, "clips", False):
-            replies, refused = self.dp.arrived(payloads, replies)  # clipped on the clients (Flower's): checked
+        if self.dp is not None and getattr(self.transport, "privatises", False):
+            # the clients applied the DP themselves (Flower's): checked, what they add for the server kept
+            replies, refused = self.dp.arrived(payloads, replies, None if kind == TRAINING else kind)
             why.update(refused)
         elif self.dp is not None:  # each reply as its client sends it under DP (core.dp): clipped; a phase's, empty
             replies = self.dp.client_side(payloads, replies) if kind == TRAINING else self.dp.phase_side(kind, replies)

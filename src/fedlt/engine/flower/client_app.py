@@ -7,12 +7,13 @@ client needs nothing but its data and this package):
 message type            what the client does
 ======================  ==========================================================================
 ``query.describe``      says who it is: client id, training label counts, test-set size (under
-                        ``--dp client``: client id, and whether it serves the run's partition)
+                        ``--dp client``: client id, and whether it serves the run's partition; under
+                        ``--dp sample`` its number of samples besides)
 ``train``               ``method.local_train(payload, cstate, data, gen)`` at the round's lr (the
                         payload's config, ``payload.lr``), gen = the driver's (round, client)
                         generator; under ``--secagg`` through Flower's ``secaggplus_mod``, which
                         masks the update (``fedlt.engine.flower.secagg``); under ``--dp client`` the
-                        reply clipped here (below)
+                        reply clipped here, under ``--dp sample`` trained by DP-SGD here (below)
 ``train.phase``         ``method.phase_client(name, payload, cstate, data, gen)`` (a post-training
                         phase, e.g. a realignment or fine-tuning, one message per phase)
 ``evaluate``            personalized evaluation on its own test set:
@@ -40,6 +41,13 @@ wrappers wrap a strategy's ``configure_train`` / ``aggregate_train`` (fedlt's ro
 fixed client count (no Poisson sampling) and numpy's unseeded noise, and account FedAvg without amplification
 only. Both sides run :mod:`fedlt.core.dp`'s functions instead.
 
+``--dp sample`` (DP-SGD, :mod:`fedlt.core.dpsgd`): the client's described steps, in a round and in a phase, run as
+DP-SGD here (``SampleDP.on_client``, from the run's settings and the message's ``dp-delta``, ``dp-rounds`` and, once
+the server knows it, ``dp-noise``); the reply leaves with the model, ``num_examples`` and the accountant's entries of
+this message (``dp_history``), nothing else (``SampleDP.client_reply``); the server keeps every client's accountant.
+``describe`` says the client's number of samples (public in DP-SGD's analysis) and no label counts; an evaluation's
+reports hold accuracy and group accuracies only, as under ``--dp client``.
+
 The client state (personal heads, personal models, control variates) lives in ``context.state`` and never
 enters a reply. It belongs to the fedlt run (the ``fedlt-run`` id of every message, kept in the run directory),
 not to the Flower run that carries it, and every version is tagged with the round it reflects. Each message
@@ -65,6 +73,7 @@ from flwr.clientapp import ClientApp
 
 from ...config import RunConfig
 from ...core.dp import STATS_CLIP, class_means, client_reply, phase_reply
+from ...core.dpsgd import SampleDP
 from ...core.method import Message, Method, RunSpec
 from ...core.spec import milestones_text
 from ...core.state import tree_of
@@ -223,6 +232,9 @@ class Node:
         state_dir = node_setting(context, "state-dir")
         if state_dir and "session" in ctl:
             enter_session(state_dir, run, int(ctl["session"]))
+        # --dp sample: this message's DP-SGD (a train or phase message's; the cached method serves other runs too)
+        method.dpsgd = SampleDP.on_client(job.cfg, cid, ctl) if job.cfg.dp == "sample" and \
+            msg.metadata.message_type.startswith("train") else None
         return cls(cid, data, method, job, state_dir, run, ctl)
 
     def client_state(self, context: Context) -> dict:
@@ -257,8 +269,11 @@ class Node:
 @app.query("describe")
 def describe(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
+    partition = node_setting(context, "partition-id") is not None
     if node.job.cfg.dp == "client":  # nothing of its data: its label counts would reveal its label distribution
-        return node.reply(msg, partition=node_setting(context, "partition-id") is not None)
+        return node.reply(msg, partition=partition)
+    if node.job.cfg.dp == "sample":  # its size sets its DP-SGD sampling rate (public in the analysis); no counts
+        return node.reply(msg, partition=partition, **{"num-examples": len(node.data)})
     return node.reply(msg, counts=[int(c) for c in node.data.counts], **{"test-size": len(node.data.test_y),
                                                                           "num-examples": len(node.data)})
 
@@ -280,6 +295,8 @@ def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
         stats_clip = node.job.cfg.dp_stats_clip or STATS_CLIP  # class statistics (a class-mean method's)
         reply, _, _ = client_reply(payload.arrays, reply, float(ctl["dp-clip"]), f"client {node.cid}", bit=True,
                                    means=class_means(node.method.sends), stats_clip=stats_clip)
+    elif node.method.dpsgd is not None:  # trained by DP-SGD: the model, its size and the accountant's entries
+        reply = node.method.dpsgd.client_reply(node.cid, reply)
     return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 
@@ -295,6 +312,8 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node.save(context, cstate, node.job.cfg.rounds + 1 + index)
     if node.job.cfg.dp == "client":
         reply = phase_reply(name, f"client {node.cid}", reply)
+    elif node.method.dpsgd is not None:
+        reply = node.method.dpsgd.client_reply(node.cid, reply, phase=name)
     return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 
@@ -319,7 +338,7 @@ def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
     gsplit = {g: np.asarray(v, dtype=np.int64) for g, v in json.loads(str(ctl["gsplit"])).items()}
     csplit = client_split(node.data.counts, str(ctl["split"]), gsplit)
     reports = client_reports(pp, node.data, m.spec.num_classes, csplit)
-    if node.job.cfg.dp == "client":  # what PM aggregates, not which classes its test set holds
+    if node.job.cfg.dp != "off":  # what PM aggregates, not which classes its test set holds
         reports = {mode: {k: rep[k] for k in ("acc", *GROUPS)} for mode, rep in reports.items()}
     return node.reply(msg, source=source, reports=json.dumps(reports))
 

@@ -19,7 +19,8 @@ messages:
 The classic ``Strategy.start`` also works (training rounds and the per-round evaluation through
 ``configure_*`` / ``aggregate_*``), but only :meth:`run` does the phases, ``--secagg`` (Flower's SecAgg+ in the
 training rounds: ``fedlt.engine.flower.secagg``), ``--dp client`` (the ClientApp clips, the driver checks each reply
-and adds the noise: ``fedlt.core.dp``) and writes the run directory.
+and adds the noise: ``fedlt.core.dp``), ``--dp sample`` (each SuperNode trains by DP-SGD and sends its accountant's
+entries, the driver keeps every client's accountant: ``fedlt.core.dpsgd``) and writes the run directory.
 """
 from __future__ import annotations
 
@@ -74,19 +75,22 @@ class FedltStrategy(Strategy):
         if getattr(cls, "needs_pool", False):
             raise ConfigError(f"method {cfg.method} trains on all clients' data pooled in one place, which a "
                               f"federation of SuperNodes does not have; run it with `fedlt run`")
-        if cfg.dp == "sample":  # DP-SGD's accountants live beside the clients' training, in the simulator's process
-            raise ConfigError("--dp sample runs in the simulator (`fedlt run`) for now: on Flower the SuperNodes "
-                              "would train without DP-SGD; use `fedlt run`, or --dp client")
         self.method: Method = cls(self.spec, cls.make_params(cfg.params, cfg.allow_large))
+        if cfg.dp == "sample":  # DP-SGD cannot bound a sample's influence through BatchNorm: one line (core.dpsgd)
+            from ...core.dpsgd import check_model
+
+            check_model(self.method.new_model(), self.spec.model)
         self.job = job_text(cfg, self.spec, self.prep)
         self.transport = GridTransport(self)
         self.driver = Driver(self.method, EngineConfig.of(cfg, progress=False), self.transport, cfg.clients)
         self.driver.echo = echo
-        # known once the SuperNodes have described themselves; under --dp client they do not say them
-        self.driver.client_counts = None if cfg.dp == "client" else lambda: self.fed.counts
-        if self.driver.client_counts is None and self.driver.cfg.faults is not None:
-            raise ConfigError("--speed-sigma and --speed-file time each client's round by its number of samples, "
-                              "which under --dp client the SuperNodes do not send: drop them, or use `fedlt run`")
+        # known once the SuperNodes have described themselves; under --dp they do not say them
+        self.driver.client_counts = None if cfg.dp != "off" else lambda: self.fed.counts
+        if cfg.dp == "sample":  # each client's number of samples (public in DP-SGD's analysis: its sampling rate)
+            self.driver.dp.sizes = lambda: np.array([self.info[c]["num_examples"] for c in range(cfg.clients)])
+        if cfg.dp != "off" and self.driver.cfg.faults is not None:
+            raise ConfigError(f"--speed-sigma and --speed-file time each client's round by its label counts, which "
+                              f"under --dp {cfg.dp} the SuperNodes do not send: drop them, or use `fedlt run`")
         self.nodes: dict[int, int] = {}  # client id -> node id (the latest SuperNode that said it is that client)
         self.described: set[int] = set()  # node ids that said who they are
         self.failed_nodes: dict[int, str] = {}  # node id -> why its describe failed (it is asked again)
@@ -185,6 +189,8 @@ class FedltStrategy(Strategy):
                         self.echo(f"client {cid} is now on SuperNode {node} (was {self.nodes[cid]})")
                     self.nodes[cid] = node
                     self.info[cid] = {"partition": bool(ctl["partition"])} if self.cfg.dp == "client" else \
+                        {"partition": bool(ctl["partition"]), "num_examples": int(ctl["num-examples"])} \
+                        if self.cfg.dp == "sample" else \
                         {"counts": [int(c) for c in ctl["counts"]], "test_size": int(ctl["test-size"]),
                          "num_examples": int(ctl["num-examples"])}
             if not wait or len(self.nodes) >= K:
@@ -198,22 +204,22 @@ class FedltStrategy(Strategy):
             time.sleep(self.poll_interval)
 
     def _counts(self) -> None:
-        """The federation's label counts, from the SuperNodes' describe replies. Under ``--dp client`` they send
+        """The federation's label counts, from the SuperNodes' describe replies. Under ``--dp`` they send
         none: the server knows the class totals only (which define many/medium/few), from the run's settings where
         every SuperNode serves a client of the run's partition (``partition-id``: the simulator's federation); with
         SuperNodes holding their own data (``data-dir``) not at all, and GM's group accuracies are left out (a
         note says so). The clients' own counts stay unknown (``partition.json`` has none)."""
         K, C = self.cfg.clients, self.fed.num_classes
-        if self.cfg.dp == "client":
+        if self.cfg.dp != "off":
             if all(inf["partition"] for inf in self.info.values()):
                 self.fed.train_counts = partition_federation(self.cfg, self.spec.device).train_counts
                 return
             if self.cfg.split != "fedloge":
                 raise ConfigError(f"--split {self.cfg.split} takes its groups from the federation's class totals, "
-                                  f"which under --dp client SuperNodes holding their own data (data-dir) do not "
-                                  f"send; use --split fedloge (each client's groups from its own counts)")
-            self.echo("note: under --dp client SuperNodes with their own data (data-dir) send no label counts: the "
-                      "federation's class totals are unknown, so GM has no many/medium/few accuracies")
+                                  f"which under --dp {self.cfg.dp} SuperNodes holding their own data (data-dir) do "
+                                  f"not send; use --split fedloge (each client's groups from its own counts)")
+            self.echo(f"note: under --dp {self.cfg.dp} SuperNodes with their own data (data-dir) send no label "
+                      f"counts: the federation's class totals are unknown, so GM has no many/medium/few accuracies")
             return
         counts = np.zeros((K, C), np.int64)
         for cid, inf in self.info.items():
@@ -381,22 +387,25 @@ class GridTransport:
 
     def messages(self, kind: str, index: int, payloads: dict[int, Message]) -> dict[int, FlwrMessage]:
         """One Flower message per client: a round's ``train`` (its round, and under ``--dp client`` the round's
-        clip, ``dp-clip``, which adaptive clipping moves) or a phase's ``train.phase`` (its name and index), what the
-        ClientApp's two handlers read; the round's lr is in each payload's config."""
-        st = self.st
+        clip, ``dp-clip``, which adaptive clipping moves) or a phase's ``train.phase`` (its name and index), under
+        ``--dp sample`` what the client's DP-SGD needs (``SampleDP.control``), what the ClientApp's two handlers read;
+        the round's lr is in each payload's config."""
+        st, dp = self.st, self.st.driver.dp
         ctl = {"round": index} if kind == TRAINING else {"phase": kind, "index": index}
-        if kind == TRAINING and self.clips:
-            ctl["dp-clip"] = float(st.driver.dp.clip)
+        if kind == TRAINING and st.cfg.dp == "client":
+            ctl["dp-clip"] = float(dp.clip)
         mtype, group = ("train", str(index)) if kind == TRAINING else ("train.phase", f"phase-{index}")
         bound, _ = self._tag(kind, index)
-        return {cid: st._message(p, cid, mtype, {**ctl, **self.state_control(cid, bound)}, group)
+        return {cid: st._message(p, cid, mtype, {**ctl, **(dp.control(cid) if st.cfg.dp == "sample" else {}),
+                                                 **self.state_control(cid, bound)}, group)
                 for cid, p in payloads.items()}
 
     @property
-    def clips(self) -> bool:
-        """Whether the clients clip their updates themselves (``--dp client``: the ClientApp's ``train``,
-        :func:`fedlt.core.dp.client_reply`), so that the driver checks them instead (``ClientDP.arrived``)."""
-        return self.st.cfg.dp == "client"
+    def privatises(self) -> bool:
+        """Whether the clients apply the DP themselves (the ClientApp: ``--dp client`` clips,
+        :func:`fedlt.core.dp.client_reply`; ``--dp sample`` trains by DP-SGD, ``SampleDP.client_reply``), so that the
+        driver checks their replies instead (``ClientDP.arrived``, ``SampleDP.arrived``)."""
+        return self.st.cfg.dp != "off"
 
     @property
     def secagg(self) -> bool:
