@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .core.dp import class_means, default_delta, noise_for, unprotected, verdict
-from .core.dpsgd import declared
+from .core.dp import class_means, default_delta, noise_for, refusal, verdict
 from .core import secagg
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
 from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
@@ -549,9 +548,10 @@ def _method_class(cfg):
     return method_class(cfg)
 
 
-def unprotected_by(cfg) -> list[str]:
-    """What method ``cfg.method``'s clients send that --dp (client or sample) would not protect (its ``sends``)."""
-    return unprotected(getattr(_method_class(cfg), "sends", ()), cfg.dp)
+def dp_refusal(cfg) -> tuple[str, list[str]]:
+    """Why --dp (client or sample) does not run method ``cfg.method`` (:func:`fedlt.core.dp.refusal`): ("", [])
+    where it does."""
+    return refusal(_method_class(cfg), cfg.dp) or ("", [])
 
 
 def secagg_methods() -> list[str]:
@@ -793,14 +793,15 @@ RELATIONS: list[Relation] = [
              when=lambda c: c.dp != "off", others=("dp_noise", "dp_epsilon"),
              bad=({"dp": "client", "dp_clip": 1.0}, {"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0,
                                                       "dp_epsilon": 8.0}, {"dp": "sample", "dp_clip": 1.0})),
-    requires("dp", lambda c: not getattr(_method_class(c), "needs_pool", False),
-             lambda c: f"--dp client protects each client's data in what it sends; method {c.method} trains on every "
-                       f"client's data pooled in one place, which no client-level guarantee covers: choose a "
-                       f"federated method", when=lambda c: c.dp == "client", others=("method",),
-             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "centralized"},)),
-    requires("dp", lambda c: not unprotected_by(c),
+    requires("dp", lambda c: dp_refusal(c)[0] != "pool",
+             lambda c: f"--dp {c.dp} protects each client's data in what it sends; method {c.method} trains on every "
+                       f"client's data pooled in one place, which no {c.dp}-level guarantee covers: choose a "
+                       f"federated method", when=lambda c: c.dp != "off", others=("method",),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "centralized"},
+                  {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "centralized"})),
+    requires("dp", lambda c: dp_refusal(c)[0] != "unprotected",
              lambda c: f"--dp {c.dp} protects the model {'update' if c.dp == 'client' else 'DP-SGD trains'} only, and "
-                       f"method {c.method}'s clients also send {', '.join(unprotected_by(c))}, which would leave "
+                       f"method {c.method}'s clients also send {', '.join(dp_refusal(c)[1])}, which would leave "
                        f"unprotected; choose a method whose clients send only the model (fedavg, fedprox, fedavgm, "
                        f"fedadam)" + (f", or one whose class statistics it privatises "
                                       f"({', '.join(n for n, k in METHODS.items() if class_means(k.sends))})"
@@ -808,7 +809,7 @@ RELATIONS: list[Relation] = [
              when=lambda c: c.dp != "off", others=("method",),
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"},
                   {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"})),
-    requires("dp", lambda c: declared(_method_class(c)),
+    requires("dp", lambda c: dp_refusal(c)[0] != "undeclared",
              lambda c: f"--dp sample runs DP-SGD in a method's described local steps whose loss of one sample reads no "
                        f"other sample, and method {c.method} does not declare that (Method.dp_sample: its local "
                        f"training is a loop of its own, or its loss reads its data's class statistics); choose "

@@ -154,24 +154,37 @@ def privatised(sends) -> list[str]:
     return [f"{s.name} ({s.category}, {how[s.dp]})" for s in sends if s.dp and s.when == ROUNDS]
 
 
-def verdict(cls, level: str) -> str:
-    """Whether ``--dp level`` (client or sample) runs method class ``cls``, in words: "yes, ..." or "no, ..." and
-    why (``fedlt list METHOD`` and the method's page; the run's validation refuses exactly the "no"s, a test holds
-    them together)."""
+def refusal(cls, level: str) -> tuple[str, list[str]] | None:
+    """Why ``--dp level`` (client or sample) does not run method class ``cls``, or None where it does:
+    ``("pool", [])`` (it trains on the clients' data pooled in one place), ``("unprotected", items)`` (what its clients
+    send that the guarantee would not cover, :func:`unprotected`) or ``("undeclared", [])`` (``--dp sample``: its
+    local training is not declared DP-SGD-able, :func:`fedlt.core.dpsgd.declared`). The one source of the run's
+    refusals (``fedlt.config``) and of :func:`verdict`."""
     from .dpsgd import declared
 
-    sends = getattr(cls, "sends", ())
-    left = unprotected(sends, level)
     if getattr(cls, "needs_pool", False):
-        return "no, it trains on the clients' data pooled in one place"
-    if left:
-        return f"no, its clients also send {', '.join(left)}"
+        return "pool", []
+    if left := unprotected(getattr(cls, "sends", ()), level):
+        return "unprotected", left
+    if level == "sample" and not declared(cls):
+        return "undeclared", []
+    return None
+
+
+def verdict(cls, level: str) -> str:
+    """Whether ``--dp level`` (client or sample) runs method class ``cls``, in words: "yes, ..." or "no, ..." and
+    why (``fedlt list METHOD`` and the method's page), from :func:`refusal`, as the run's validation."""
+    why = refusal(cls, level)
+    if why is not None:
+        return {"pool": "no, it trains on the clients' data pooled in one place",
+                "unprotected": f"no, its clients also send {', '.join(why[1])}",
+                "undeclared": "no, its local training is a loop of its own or its loss reads the client's class "
+                              "statistics"}[why[0]]
     if level == "client":
-        also = privatised(sends)
+        also = privatised(getattr(cls, "sends", ()))
         return f"yes, its clients send the model update (clipped and noised) and {', '.join(also)}" if also else \
             "yes, its clients send only the model update (clipped and noised)"
-    return "yes, its described local steps run as DP-SGD" if declared(cls) else \
-        "no, its local training is a loop of its own or its loss reads the client's class statistics"
+    return "yes, its described local steps run as DP-SGD"
 
 
 def class_means(sends) -> tuple[str, ...]:
