@@ -178,21 +178,24 @@ def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accou
 
 def test_the_server_keeps_the_accountants_from_what_arrives_and_refuses_a_reply_without_entries():
     """SampleDP.arrived: the clients' entries continue their accountants as opacus's step merges them (the epsilon of
-    one client trained here equals the accountant's of the entries sent); a reply without entries, or with other
-    meta, is not used, in one line."""
+    one client trained here equals the accountant's of the entries sent); a reply without entries, with other meta,
+    or whose entries do not have the rate or noise its size and the run's settings give, is not used, in one line."""
     from fedlt.core.dpsgd import HISTORY, SampleDP, epsilon_of
 
-    dp = SampleDP(1.0, 1.0, None, 1e-5, [[0, 1, 2]], lambda: [100, 100, 100])
+    dp = SampleDP(1.0, 1.0, None, 1e-5, [[0, 1, 2, 3, 4]], lambda: [100] * 5, batch_size=25)  # L = 4
     w = {"a": torch.zeros(3)}
-    payloads = {c: Message(w, {}) for c in range(3)}
+    payloads = {c: Message(w, {}) for c in range(5)}
     for _ in range(2):
         replies = [(0, Message(w, {"num_examples": 100, HISTORY: [[1.0, 0.25, 4]]})),
                    (1, Message(w, {"num_examples": 100})),
-                   (2, Message(w, {"num_examples": 100, HISTORY: [[1.0, 0.25, 4]], "loss": 0.3}))]
+                   (2, Message(w, {"num_examples": 100, HISTORY: [[1.0, 0.25, 4]], "loss": 0.3})),
+                   (3, Message(w, {"num_examples": 100, HISTORY: [[1.0, 0.5, 4]]})),  # not its rate
+                   (4, Message(w, {"num_examples": 100, HISTORY: [[2.0, 0.25, 4]]}))]  # not the run's noise
         out, why = dp.arrived(payloads, replies)
         assert [c for c, _ in out] == [0] and out[0][1].meta == {"num_examples": 100}
-        assert set(why) == {1, 2} and HISTORY in why[1] and "loss" in why[2] and "\n" not in why[1] + why[2]
-    assert dp.histories[0] == [(1.0, 0.25, 8)] and dp.steps_of[0] == 4
+        assert set(why) == {1, 2, 3, 4} and HISTORY in why[1] and "loss" in why[2] and "1/4" in why[3]
+        assert "noise multiplier 1" in why[4] and all("\n" not in x for x in why.values())
+    assert dp.histories[0] == [(1.0, 0.25, 8)] and dp.steps_of[0] == 4 and set(dp.histories) == {0}
     assert dp.epsilon(2) == epsilon_of(((1.0, 0.25, 8),), 1e-5)
     assert dp.record()["dp_grad_norm"] is None
 

@@ -43,7 +43,8 @@ On Flower (``fedlt flower``) each SuperNode runs its own client's DP-SGD (:meth:
 run's settings and what the train message says: ``delta``, the client's rounds in the schedule, its noise multiplier
 once the server knows it) and sends, beside its model and ``num_examples``, its accountant's new entries
 (:data:`HISTORY`: ``(z_i, q_i, steps)``, which follow from ``n_i`` and the run's settings); the server keeps every
-client's accountant from them (:meth:`SampleDP.arrived`), so that the run's epsilons, ``--dp-budget`` and the
+client's accountant from them (:meth:`SampleDP.arrived`, which checks the rate and noise against the client's size
+and the run's settings), so that the run's epsilons, ``--dp-budget`` and the
 summary's table are the simulator's. The per-sample gradient norms stay on the clients (the record's
 ``dp_clipped`` and ``dp_grad_norm`` are None there), and a SuperNode's describe sends its number of samples, no label
 counts.
@@ -342,8 +343,8 @@ class SampleDP:
         for cid, reply in replies:
             entries = entries_of(cid, reply.meta)
             extra = sorted(set(reply.meta) - {"num_examples", HISTORY})
-            if isinstance(entries, str) or extra:
-                why[cid] = entries if isinstance(entries, str) else \
+            if isinstance(entries, str) or extra or (entries and (wrong := self.disagrees(cid, entries))):
+                why[cid] = entries if isinstance(entries, str) else wrong if not extra else \
                     f"client {cid} sent {', '.join(extra)} beside its model, which DP-SGD does not cover"
                 continue
             if entries:
@@ -352,6 +353,21 @@ class SampleDP:
                 self.steps_of[cid] = sum(n for _, _, n in entries)
             out.append((cid, reply))
         return (self.client_side(payloads, out) if phase is None else self.phase_side(phase, out)), why
+
+    def disagrees(self, cid: int, entries: list) -> str | None:
+        """Why a client's accountant entries of one message are not what its size and the run's settings give (its
+        sampling rate ``1 / L``, whole epochs of ``L`` steps, the noise multiplier :meth:`noise_of` gives for them),
+        or None: the accountant takes no sampling rate or noise on a client's word."""
+        L = batches_per_epoch(int(np.asarray(self.sizes())[cid]), self.batch_size)
+        steps = sum(n for _, _, n in entries)
+        if any(q != 1.0 / L for _, q, _ in entries) or steps % L:
+            return (f"client {cid}'s accountant entries {entries} do not sample at 1/{L} in whole epochs of {L} steps, "
+                    f"as its size gives: its SuperNode runs another fedlt or other settings")
+        z = self.noise_of(cid, 1.0 / L, steps, keep=False)
+        if any(e[0] != z for e in entries):
+            return (f"client {cid}'s accountant entries {entries} do not have the noise multiplier {z:g} its size and "
+                    f"the run's settings give: its SuperNode runs another fedlt or other settings")
+        return None
 
     def server_side(self, replies: list, gen: torch.Generator) -> list:
         """Nothing: the noise was added on the clients."""
