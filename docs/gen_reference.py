@@ -221,7 +221,7 @@ def sends_table(cls) -> list[str]:
 
 def privacy_page(methods) -> str:
     """Every built-in method's declaration in one table, by category, and what each category reveals."""
-    from fedlt.core.privacy import CATEGORIES, ROUNDS
+    from fedlt.core.privacy import CATEGORIES, ENGINE_SENDS, ROUNDS
 
     cats = list(CATEGORIES)
     rows = ["| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
@@ -265,7 +265,11 @@ def privacy_page(methods) -> str:
         "counts and its test-set size (for the many / medium / few split and `partition.json`): a class-counts "
         "disclosure of every client, once per run. Each evaluation sends back the client's accuracy on its own "
         "test set, per class (`None` for classes its test set lacks) and per group. A reply's numeric meta values "
-        "also travel as a `MetricRecord` (Flower's own metrics: the same numbers again).", ""])
+        "also travel as a `MetricRecord` (Flower's own metrics: the same numbers again). Under `--dp` the describe "
+        "reply carries no label counts (under `--dp sample` the client's number of samples) and an evaluation no "
+        "per-class accuracies; where the SuperNodes apply the DP themselves, their replies also carry the engine's "
+        "own items, which `sent.jsonl` records like a method's: "
+        + "; ".join(f"`{s.name}` ({s.category}): {_cell(s.what)}" for s in ENGINE_SENDS) + ".", ""])
 
 
 # ------------------------------------------------------------------------------------------------ settings

@@ -6,7 +6,8 @@ each post-training phase), each with a category from :data:`CATEGORIES` that say
 client's data. :func:`classify` matches a client's reply to the declaration, item by item; the run driver hands
 every exchange's replies to :func:`sends_check` (``FEDLT_CHECK_SENDS=1``: an undeclared item stops the run with
 one line; the test suite sets it) and the run directory records what left the clients in ``sent.jsonl``
-(:class:`SentLog`). ``fedlt list METHOD`` and the generated page ``docs/privacy.md`` show the declarations.
+(:class:`SentLog`). ``fedlt list METHOD`` and the generated page ``docs/privacy.md`` show the declarations. What the
+engine adds where the clients apply the DP themselves (:data:`ENGINE_SENDS`) is matched and recorded the same way.
 """
 from __future__ import annotations
 
@@ -104,6 +105,16 @@ def sent(name: str, category: str, what: str, *, meta: bool = False, when: str =
     return Sent(name, category, what, meta, when, numbers_only, dp)
 
 
+# What the engine's own protocol adds to a method's replies where the clients apply the DP themselves (Flower's
+# ClientApp): matched before the method's declaration (whose patterns may be wider), recorded like it.
+ENGINE_SENDS: tuple[Sent, ...] = (
+    sent("dp_unclipped", "scalars", "--dp client on Flower: whether its update was within the clip (1) or not (0), "
+         "which adaptive clipping counts", meta=True, numbers_only=True),
+    sent("dp_history", "scalars", "--dp sample on Flower: its accountant's entries of the message, [(noise "
+         "multiplier, sampling rate, steps)], which follow from its size and the run's settings", meta=True, when=ANY),
+)
+
+
 def class_gaussian_sends(prefix: str, when: str, backbone: str) -> tuple[Sent, ...]:
     """What a client sends for a phase that fits the server a Gaussian per class of its features (CCVR's
     calibration, DFL-FS's regeneration; ``fedlt.core.retrain.class_gaussians`` computes them): the classes it
@@ -172,7 +183,7 @@ class Declared:
 
     def __init__(self, method):
         self.method = method
-        self.sends: tuple[Sent, ...] = tuple(getattr(type(method), "sends", ()))
+        self.sends: tuple[Sent, ...] = ENGINE_SENDS + tuple(getattr(type(method), "sends", ()))
         self._model: frozenset[str] | None = None
         self._cache: dict[tuple, Sent | None] = {}
 

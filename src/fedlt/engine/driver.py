@@ -273,14 +273,14 @@ class Driver:
         payloads = self.payloads(kind, index, [c for c in cids if c not in why], make_payload)
         replies, lost = self.transport.send_and_receive(kind, index, payloads) if payloads else ([], {})
         why.update(lost)
-        if self.dp is not None and getattr(self.transport, "privatises", False):
-            # the clients applied the DP themselves (Flower's): checked, what they add for the server kept
+        private = self.dp is not None and getattr(self.transport, "privatises", False)
+        if self.dp is not None and not private:  # each reply as its client sends it under DP (core.dp): clipped
+            replies = self.dp.client_side(payloads, replies) if kind == TRAINING else self.dp.phase_side(kind, replies)
+        for hook in self.on_replies:  # what left the clients
+            hook(kind, index, replies)
+        if private:  # the clients applied the DP themselves (Flower's): checked, what they add for the server kept
             replies, refused = self.dp.arrived(payloads, replies, None if kind == TRAINING else kind)
             why.update(refused)
-        elif self.dp is not None:  # each reply as its client sends it under DP (core.dp): clipped; a phase's, empty
-            replies = self.dp.client_side(payloads, replies) if kind == TRAINING else self.dp.phase_side(kind, replies)
-        for hook in self.on_replies:
-            hook(kind, index, replies)
         extra = {}
         if kind == TRAINING:
             extra = {"sampled": len(cids), "trained": len(replies)}
