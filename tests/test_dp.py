@@ -89,6 +89,31 @@ def test_the_noise_is_solved_for_a_target_epsilon():
     assert dp.noise == pytest.approx(z) and dp.epsilon(50) <= 4.0
 
 
+def test_the_pld_accountant_is_dp_accountings_own_and_solves_less_noise_for_the_same_epsilon(tmp_path):
+    """--dp-accountant pld: each round's epsilon is dp-accounting's PLDAccountant on the run's events (computed here
+    with the library), at most RDP's for the same noise; solved for a target, its noise is smaller than RDP's and
+    ends within the target; the table names it."""
+    import dp_accounting as dpa
+    from dp_accounting import pld
+
+    from fedlt.core.dp import PLD_INTERVAL
+
+    def by_hand(z, q, rounds, delta):
+        acc = pld.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
+        acc.compose(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), rounds)
+        return acc.get_epsilon(delta)
+
+    cfg = small_config(**{**DP, "dp_noise": None, "dp_epsilon": 4.0, "dp_delta": 1e-5, "rounds": 3, "eval_every": 3},
+                       dp_accountant="pld", out=str(tmp_path), name="pld")
+    d = rundir.run(cfg, progress=False, echo=lambda *a: None)["dp"]
+    rdp_noise = noise_for(4.0, 0.5, 3, 1e-5)
+    assert d["noise_multiplier"] < 0.95 * rdp_noise and "PLDAccountant" in d["accountant"]
+    rows = [json.loads(x) for x in (tmp_path / "pld" / "metrics.jsonl").read_text().splitlines()]
+    eps = [r["dp_epsilon"] for r in rows if "round" in r]
+    assert eps == [pytest.approx(by_hand(d["noise_multiplier"], 0.5, r, 1e-5), rel=1e-9) for r in (1, 2, 3)]
+    assert 3.9 < eps[-1] <= 4.0 < _eps_by_hand(d["noise_multiplier"], 0.5, 3, 1e-5)  # RDP would say more
+
+
 def test_adaptive_clipping_follows_the_target_quantile_of_the_update_norms():
     """Andrew et al.'s geometric update: with updates whose norms are spread 1..100 (every client every round,
     negligible count noise), the clip settles where about Q of them are unclipped, from above and from below."""

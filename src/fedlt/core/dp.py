@@ -18,8 +18,10 @@ entries (FedAvg, FedProx, FedAvgM, FedAdam, ...) runs unchanged.
 
 The privacy loss: the RDP accountant of Google's ``dp-accounting`` library (the one Flower's DP uses), composing
 one ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` per round, add/remove-one-client adjacency, converted to
-``(epsilon, delta)``. The summary's ``dp`` table holds every input, so anyone can recompute it with the same
-library (:func:`epsilon`).
+``(epsilon, delta)``; or, with ``--dp-accountant pld``, the same library's privacy-loss-distribution accountant on
+the same events (a tighter epsilon: 7.04 where RDP says 7.98 at ``z`` 1.217, ``q`` 0.1, 200 rounds, delta 1e-5; so
+``--dp-epsilon`` solves a smaller noise). The summary's ``dp`` table holds every input, so anyone can recompute it
+with the same library (:func:`epsilon`).
 
 Adaptive clipping (Andrew, Thakkar, McMahan and Ramaswamy, NeurIPS 2021; ``--dp-clip-quantile Q``): the clip
 follows the ``Q`` quantile of the update norms. Each sampled client also sends one bit, ``b = [||Delta|| <= C]``;
@@ -88,15 +90,27 @@ def require() -> Any:
     return dp_accounting
 
 
-def epsilon(noise: float, rate: float, rounds: int, delta: float) -> float:
+PLD_INTERVAL = 1e-3  # the PLD accountant's discretisation: its epsilons agree with 1e-4's to 1e-4, ten times faster
+ACCOUNTANTS = {"rdp": "rdp.RdpAccountant (orders 2-255, 256, 512, 1024)",
+               "pld": f"pld.PLDAccountant (value_discretization_interval {PLD_INTERVAL:g})"}
+
+
+@functools.lru_cache(maxsize=4096)
+def epsilon(noise: float, rate: float, rounds: int, delta: float, accountant: str = "rdp") -> float:
     """The epsilon after ``rounds`` rounds of Poisson-sampled (``rate``) Gaussian noise of multiplier ``noise``,
-    for ``delta``: dp-accounting's RdpAccountant over :data:`ORDERS`. 0 rounds: 0."""
+    for ``delta``: dp-accounting's RdpAccountant over :data:`ORDERS` (``rdp``), or its privacy-loss-distribution
+    accountant (``pld``: tighter; a tenth of a second a call). 0 rounds: 0."""
     if rounds <= 0:
         return 0.0
     dpa = require()
-    from dp_accounting import rdp
+    if accountant == "pld":
+        from dp_accounting import pld
 
-    acc = rdp.RdpAccountant(list(ORDERS))
+        acc = pld.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
+    else:
+        from dp_accounting import rdp
+
+        acc = rdp.RdpAccountant(list(ORDERS))
     acc.compose(dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(noise)), int(rounds))
     return float(acc.get_epsilon(delta))
 
@@ -107,17 +121,18 @@ def default_delta(population: int) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def noise_for(target: float, rate: float, rounds: int, delta: float) -> float:
-    """The smallest noise multiplier (to 0.1 %) whose epsilon after ``rounds`` rounds is at most ``target``."""
+def noise_for(target: float, rate: float, rounds: int, delta: float, accountant: str = "rdp") -> float:
+    """The smallest noise multiplier (to 0.1 %) whose epsilon after ``rounds`` rounds is at most ``target``, by
+    ``accountant`` (:func:`epsilon`)."""
     lo, hi = 0.0, 1.0
-    while epsilon(hi, rate, rounds, delta) > target:
+    while epsilon(hi, rate, rounds, delta, accountant) > target:
         lo, hi = hi, hi * 2
         if hi > 1e6:
             raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {rounds} rounds at sampling rate "
                               f"{rate:g}: raise it, or train fewer rounds or fewer clients a round")
     while hi - lo > 1e-3 * hi:
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if epsilon(mid, rate, rounds, delta) > target else (lo, mid)
+        lo, hi = (mid, hi) if epsilon(mid, rate, rounds, delta, accountant) > target else (lo, mid)
     return hi
 
 
@@ -373,13 +388,15 @@ class ClientDP:
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
                  budget: float | None, population: int, per_round: int, rounds: int, quantile: float | None = None,
                  clip_lr: float = 0.2, count_noise: float | None = None, means: tuple[str, ...] = (),
-                 num_classes: int = 0, stats_clip: float | None = None):
+                 num_classes: int = 0, stats_clip: float | None = None, accountant: str = "rdp"):
         require()
         self.clip, self.population, self.rounds = float(clip), int(population), int(rounds)
         self.first_clip = self.clip
         self.rate = per_round / population
         self.delta = float(delta) if delta is not None else default_delta(population)
-        self.noise = float(noise) if noise is not None else noise_for(target, self.rate, rounds, self.delta)
+        self.accountant = accountant
+        self.noise = float(noise) if noise is not None else noise_for(target, self.rate, rounds, self.delta,
+                                                                      accountant)
         self.target, self.budget = target, budget
         self.denominator = self.rate * population  # McMahan et al.'s fixed denominator qW (uniform weights)
         # adaptive clipping: the target quantile, the clip's learning rate, the count's noise and the update's share
@@ -473,7 +490,7 @@ class ClientDP:
 
     def epsilon(self, rounds: int) -> float:
         if rounds not in self._epsilons:
-            self._epsilons[rounds] = epsilon(self.noise, self.rate, rounds, self.delta)
+            self._epsilons[rounds] = epsilon(self.noise, self.rate, rounds, self.delta, self.accountant)
         return self._epsilons[rounds]
 
     def over_budget(self, rnd: int) -> str | None:
@@ -517,6 +534,6 @@ class ClientDP:
                                         "release_noise^2 num_classes) on the count of clients holding it"}),
                 "weighting": "uniform (every client 1), fixed denominator sample_rate x population",
                 "adjacency": "add or remove one client", "target_epsilon": self.target,
-                "accountant": f"dp-accounting {version('dp-accounting')} rdp.RdpAccountant (orders 2-255, 256, "
-                              f"512, 1024), PoissonSampledDpEvent(sample_rate, GaussianDpEvent(noise_multiplier)) "
-                              f"composed rounds times, get_epsilon(delta)"}
+                "accountant": f"dp-accounting {version('dp-accounting')} {ACCOUNTANTS[self.accountant]}, "
+                              f"PoissonSampledDpEvent(sample_rate, GaussianDpEvent(noise_multiplier)) composed rounds "
+                              f"times, get_epsilon(delta)"}

@@ -182,7 +182,7 @@ class Driver:
                                                             cfg.dp_budget, num_clients, per_round, cfg.rounds,
                                                             cfg.dp_clip_quantile, cfg.dp_clip_lr, cfg.dp_count_noise,
                                                             class_means(method.sends), method.spec.num_classes,
-                                                            cfg.dp_stats_clip)
+                                                            cfg.dp_stats_clip, cfg.dp_accountant)
         self.schedule = sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed) if self.dp is None else \
             poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed)
         if cfg.dp == "sample":  # --dp sample (core.dpsgd): DP-SGD in every client's described steps, an accountant each
