@@ -145,3 +145,27 @@ def test_a_collapsed_global_model_is_said_once(small, monkeypatch):
     monkeypatch.setattr(metrics, "head_predict", real)
     _, final = small("fedavg", rounds=4, eval_every=2)
     assert "collapsed" not in final["global"]["global"]
+
+
+def test_personal_models_that_output_non_finite_values_are_counted_and_said_once(small, monkeypatch):
+    """A personal model whose training diverged (its logits NaN) predicts arbitrary classes, which PM would average
+    silently: PM counts those clients (``nonfinite``) and the run says so once; Ditto that learns is never flagged."""
+    import fedlt.metrics as metrics
+    from fedlt.engine import EngineConfig, Simulation
+    from fedlt.runner.rundir import federation_for, prepare
+    from conftest import small_config
+
+    cfg = small_config(method="ditto", rounds=2, eval_every=1, local_epochs=1)
+    pr = prepare(cfg, federation_for(cfg))
+    sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+    said = []
+    sim.echo = said.append
+    real = metrics.head_logits
+    monkeypatch.setattr(metrics, "head_logits", lambda head, f: real(head, f) * float("nan"))
+    final = sim.run()
+    assert final["personal"]["personal"]["nonfinite"] == len(final["personal"]["personal"]["per_client"]) == 6
+    lines = [s for s in said if "non-finite" in s]
+    assert len(lines) == 1 and "6 of 6 clients" in lines[0] and "\n" not in lines[0]
+    monkeypatch.setattr(metrics, "head_logits", real)
+    _, final = small("ditto", rounds=2, eval_every=2, local_epochs=1)
+    assert "nonfinite" not in final["personal"]["personal"]

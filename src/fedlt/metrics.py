@@ -72,10 +72,16 @@ def features(backbone: Callable, batches) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def head_predict(head: Callable, feats: torch.Tensor) -> torch.Tensor:
+def head_logits(head: Callable, feats: torch.Tensor) -> torch.Tensor | None:
+    """The head's outputs on ``feats`` in eval mode (None for no features)."""
     if hasattr(head, "eval"):
         head.eval()
-    return head(feats).argmax(1) if len(feats) else torch.zeros(0, dtype=torch.long, device=feats.device)
+    return head(feats) if len(feats) else None
+
+
+def head_predict(head: Callable, feats: torch.Tensor) -> torch.Tensor:
+    logits = head_logits(head, feats)
+    return logits.argmax(1) if logits is not None else torch.zeros(0, dtype=torch.long, device=feats.device)
 
 
 def as_modes(p, default: str) -> dict:
@@ -98,7 +104,13 @@ def client_reports(pp, client, num_classes: int, csplit: dict[str, np.ndarray], 
             f, y = shared[0][idx], shared[1][idx]
         else:
             f, y = features(pred.backbone, client.test_batches())
-        out[mode] = report(head_predict(pred.head, f), y, num_classes, csplit)
+        logits = head_logits(pred.head, f)
+        if logits is None:
+            out[mode] = report(torch.zeros(0, dtype=torch.long, device=f.device), y, num_classes, csplit)
+            continue
+        out[mode] = report(logits.argmax(1), y, num_classes, csplit)
+        if not bool(torch.isfinite(logits).all()):  # a personal model whose training diverged
+            out[mode]["nonfinite"] = True
     return out
 
 
@@ -114,6 +126,8 @@ def summarize_personal(per_mode: dict[str, list[dict]], source: str) -> dict[str
         for g in GROUPS:
             vals = [r[g] for r in reps if r[g] is not None]
             agg[g] = float(np.mean(vals)) if vals else None
+        if bad := sum(bool(r.get("nonfinite")) for r in reps):  # clients whose personal model outputs NaN or inf
+            agg["nonfinite"] = bad
         out[mode] = agg
     return out
 

@@ -422,7 +422,15 @@ class Driver:
 
     def say_collapsed(self, tag: str, ev: dict) -> None:
         """One line, once per run, when a global model predicts one class for every balanced test sample: a run
-        that has collapsed (diverged without a non-finite loss) says so, whatever the method."""
+        that has collapsed (diverged without a non-finite loss) says so, whatever the method; likewise when some
+        clients' personal models output non-finite values (their local training diverged: the run's divergence
+        check sees the server's state only)."""
+        for mode, agg in ev.get("personal", {}).items():
+            if agg.get("nonfinite") and "nonfinite" not in self.said:
+                self.said.add("nonfinite")
+                self.echo(f"warning: {tag} of {self.method.name}: the personal models (PM {mode}) of "
+                          f"{agg['nonfinite']} of {len(agg['per_client'])} clients output non-finite values: their "
+                          f"local training diverged, and PM counts their arbitrary predictions")
         for mode, rep in ev.get("global", {}).items():
             if "collapsed" in rep and "collapsed" not in self.said:
                 self.said.add("collapsed")
