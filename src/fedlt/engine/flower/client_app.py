@@ -339,7 +339,7 @@ def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
     csplit = client_split(node.data.counts, str(ctl["split"]), gsplit)
     reports = client_reports(pp, node.data, m.spec.num_classes, csplit)
     if node.job.cfg.dp != "off":  # what PM aggregates, not which classes its test set holds
-        reports = {mode: {k: rep[k] for k in ("acc", *GROUPS)} for mode, rep in reports.items()}
+        reports = {mode: {k: rep[k] for k in ("acc", *GROUPS, "nonfinite") if k in rep} for mode, rep in reports.items()}
     return node.reply(msg, source=source, reports=json.dumps(reports))
 
 
