@@ -79,9 +79,13 @@ def head_logits(head: Callable, feats: torch.Tensor) -> torch.Tensor | None:
     return head(feats) if len(feats) else None
 
 
-def head_predict(head: Callable, feats: torch.Tensor) -> torch.Tensor:
-    logits = head_logits(head, feats)
+def predicted(logits: torch.Tensor | None, feats: torch.Tensor) -> torch.Tensor:
+    """The predicted classes of :func:`head_logits`'s outputs (none for no features)."""
     return logits.argmax(1) if logits is not None else torch.zeros(0, dtype=torch.long, device=feats.device)
+
+
+def head_predict(head: Callable, feats: torch.Tensor) -> torch.Tensor:
+    return predicted(head_logits(head, feats), feats)
 
 
 def as_modes(p, default: str) -> dict:
@@ -105,11 +109,8 @@ def client_reports(pp, client, num_classes: int, csplit: dict[str, np.ndarray], 
         else:
             f, y = features(pred.backbone, client.test_batches())
         logits = head_logits(pred.head, f)
-        if logits is None:
-            out[mode] = report(torch.zeros(0, dtype=torch.long, device=f.device), y, num_classes, csplit)
-            continue
-        out[mode] = report(logits.argmax(1), y, num_classes, csplit)
-        if not bool(torch.isfinite(logits).all()):  # a personal model whose training diverged
+        out[mode] = report(predicted(logits, f), y, num_classes, csplit)
+        if logits is not None and not bool(torch.isfinite(logits).all()):  # a personal model whose training diverged
             out[mode]["nonfinite"] = True
     return out
 

@@ -343,9 +343,13 @@ class SampleDP:
         for cid, reply in replies:
             entries = entries_of(cid, reply.meta)
             extra = sorted(set(reply.meta) - {"num_examples", HISTORY})
-            if isinstance(entries, str) or extra or (entries and (wrong := self.disagrees(cid, entries))):
-                why[cid] = entries if isinstance(entries, str) else wrong if not extra else \
-                    f"client {cid} sent {', '.join(extra)} beside its model, which DP-SGD does not cover"
+            if isinstance(entries, str):
+                why[cid] = entries
+            elif extra:
+                why[cid] = f"client {cid} sent {', '.join(extra)} beside its model, which DP-SGD does not cover"
+            elif entries and (wrong := self.disagrees(cid, entries)):
+                why[cid] = wrong
+            if cid in why:
                 continue
             if entries:
                 self.histories[cid] = extended(self.histories.get(cid, []), entries)
