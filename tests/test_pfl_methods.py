@@ -161,6 +161,58 @@ def test_ditto_personal_model_is_pulled_to_the_received_global_model_as_lambda_g
     assert dist[0] > dist[1] > dist[2] > dist[3]
 
 
+def test_train_local_clip_norm_bounds_every_step():
+    """clip_norm clips the gradient's total norm before the step: one plain-SGD step moves the parameters by
+    exactly lr * clip when the gradient is longer than the clip, and by lr * |grad| when it is shorter."""
+    from types import SimpleNamespace
+
+    from fedlt.core import train_local
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5) * 10, torch.randint(0, 3, (8,))
+    data = SimpleNamespace(batches=lambda bs, gen, epochs: iter([(x, y)] * epochs))
+    spec = SimpleNamespace(batch_size=8, local_epochs=1, precision="fp32", lr=0.1, device="cpu")
+    for clip in (1e-3, 1e6):
+        net = nn.Linear(5, 3)
+        before = torch.cat([p.detach().flatten() for p in net.parameters()])
+        net.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        grad = float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm())
+        train_local(net, data, spec, torch.Generator(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                    clip_norm=clip)
+        moved = float((torch.cat([p.detach().flatten() for p in net.parameters()]) - before).norm())
+        assert moved == pytest.approx(0.1 * min(clip, grad), rel=1e-4)
+
+
+def test_ditto_personal_clip_and_lr_scale_bound_the_personal_step():
+    """fedlt's two Ditto settings act on the personal update only: the reply stays FedAvg's, a clip c bounds
+    each personal step by lr * c / (1 - momentum) (SGD with momentum, no weight decay), and a small lr scale
+    moves the personal model proportionally less."""
+    sim, _ = run_small("ditto", rounds=2)
+    m, state = sim.method, sim.state
+    assert m.spec.weight_decay == 0 and m.spec.momentum < 1
+    keys = [n for n, _ in m.net.named_parameters()]
+    cid = sorted({c for r in sim.schedule for c in r})[0]
+    payload, data = m.configure(state, 3, cid), sim.fed.clients[cid]
+    m.p.lam = 0.0
+
+    def personal_move(**params):
+        for k, v in params.items():
+            setattr(m.p, k, v)
+        reply, cs = m.local_train(payload, sim.client_states[cid], data, client_generator(0, TRAIN, 3, cid))
+        for k in params:
+            setattr(m.p, k, type(m.p)().__getattribute__(k))
+        return reply, float((flat(cs["personal"], keys) - flat(sim.client_states[cid]["personal"], keys)).norm())
+
+    ref, free = personal_move()
+    clip = 1e-4
+    reply, clipped = personal_move(personal_clip=clip)
+    assert all(torch.equal(v, ref.arrays[k]) for k, v in reply.arrays.items())
+    steps = len(data) * m.spec.local_epochs  # at least the number of batches
+    assert 0 < clipped <= steps * m.spec.lr * clip / (1 - m.spec.momentum) < free / 10
+    _, slow = personal_move(personal_lr_scale=1e-3)
+    assert 0 < slow < free / 100
+
+
 # ------------------------------------------------------------------------------------------------ FedRoD
 def test_fedrod_generic_head_uses_balanced_softmax_and_personal_head_detached_features():
     """On a client holding one class, Balanced Softmax with the client's prior gives that class all the mass,

@@ -95,13 +95,15 @@ def ce_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def train_local(model: nn.Module, data, spec: RunSpec, gen: torch.Generator, loss_fn: LossFn = ce_loss,
                 epochs: int | None = None, optimizer: torch.optim.Optimizer | None = None,
                 params: Iterable[torch.nn.Parameter] | None = None, after_step: Callable[[], None] | None = None,
-                parts: bool = False, lr: float | None = None, epoch_start: Callable[[], None] | None = None) -> dict:
+                parts: bool = False, lr: float | None = None, epoch_start: Callable[[], None] | None = None,
+                clip_norm: float | None = None) -> dict:
     """Run ``epochs`` local epochs of mini-batch SGD on ``loss_fn(model, x, y)``, in the run's precision, at
     ``lr``: the round's, as the client's message carried it (``payload.lr``; None: the run's ``spec.lr``), for
     the optimiser made here (an ``optimizer`` given has its own). Returns the mean loss and the number of steps.
     With ``parts``, ``loss_fn`` may return ``(loss, {name: part})`` and the result is ``{"means": [loss,
-    *parts], "steps": n}``; ``epoch_start`` is called before each epoch (state a loss keeps per epoch). Nothing
-    is read from the device before the last step."""
+    *parts], "steps": n}``; ``epoch_start`` is called before each epoch (state a loss keeps per epoch);
+    ``clip_norm`` clips the gradient's total norm (over the parameters the optimiser steps) before each step.
+    Nothing is read from the device before the last step."""
     model.train()
     opt = optimizer or make_optimizer(params if params is not None else model.parameters(), spec, lr=lr)
     scaler = grad_scaler(spec)
@@ -113,9 +115,13 @@ def train_local(model: nn.Module, data, spec: RunSpec, gen: torch.Generator, los
         loss, extra = out if isinstance(out, tuple) else (out, {})
         if scaler is None:
             loss.backward()
+            _clip(opt, clip_norm)
             opt.step()
         else:
             scaler.scale(loss).backward()
+            if clip_norm is not None:
+                scaler.unscale_(opt)
+                _clip(opt, clip_norm)
             scaler.step(opt)
             scaler.update()
         if after_step is not None:
@@ -125,6 +131,12 @@ def train_local(model: nn.Module, data, spec: RunSpec, gen: torch.Generator, los
         means = meter.mean()
         return {"means": means if isinstance(means, list) else [means], "steps": meter.steps}
     return {"loss": meter.mean(), "steps": meter.steps}
+
+
+def _clip(opt: torch.optim.Optimizer, clip_norm: float | None) -> None:
+    """Clip the total gradient norm of ``opt``'s parameters to ``clip_norm`` (None: leave them)."""
+    if clip_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip_norm)
 
 
 def _batches(data, batch_size: int, gen: torch.Generator, epochs: int, epoch_start: Callable[[], None] | None):

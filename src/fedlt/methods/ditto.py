@@ -16,6 +16,12 @@ to 2), one personal epoch per local epoch of the global update (``personal_epoch
 received w^t (FL-bench); PFLlib runs the personal update first -- with the anchor right the two are the same
 method. FedLoGe's own "Ditto" baseline differs: it anchors to the client's previous personal model and never
 re-aggregates a global model.
+
+Two settings of fedlt's own, off by default (neither is in the paper or its code): ``personal_lr_scale``
+multiplies the round's lr for the personal update, and ``personal_clip`` clips its gradient's norm. Under
+sample-level DP the noised global model grows (weight and feature norms several times those without DP) and
+the paper's unclipped personal step at the global step's lr grows with it until the personal model overflows
+(docs/dp-tail.md); either setting bounds that step.
 """
 from __future__ import annotations
 
@@ -43,6 +49,10 @@ class Ditto(FedAvg):
         lam: float = setting(1.0, "lambda: pull of the personal model towards the received global model", low=0)
         personal_epochs: int | None = setting(None, "epochs of the personal update per round", low=1,
                                               none_means="the run's local_epochs", old_none="== 0", limit=10**4)
+        personal_lr_scale: float = setting(1.0, "the personal update's lr over the round's lr (fedlt's; the paper: 1)",
+                                           low=0, low_open=True, limit=100)
+        personal_clip: float | None = setting(None, "clip the personal update's gradient norm to this (fedlt's)",
+                                              low=0, low_open=True, none_means="no clipping (the paper)")
 
     def init_client(self, cid, data):
         return {"personal": initial_weights(self)}
@@ -56,7 +66,9 @@ class Ditto(FedAvg):
         def loss_fn(model, x, y):
             return F.cross_entropy(model(x), y) + 0.5 * lam * proximal_term(model, anchor)
 
-        stats = train_local(v, data, self.spec, gen, loss_fn, epochs=self.p.personal_epochs, lr=payload.lr)
+        lr = (self.spec.lr if payload.lr is None else payload.lr) * self.p.personal_lr_scale
+        stats = train_local(v, data, self.spec, gen, loss_fn, epochs=self.p.personal_epochs, lr=lr,
+                            clip_norm=self.p.personal_clip)
         reply.meta["personal_loss"] = stats["loss"]
         return reply, {**cstate, "personal": weights_of(v)}
 
