@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -313,3 +314,16 @@ def test_sweep_file_errors_are_one_line_config_errors(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text("seeds = [0, 0]\n")
     assert cli_main(["sweep", str(f)]) == 2
+
+
+@pytest.mark.parametrize("toml", sorted((Path(__file__).parents[1] / "benchmarks").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_the_benchmark_sweeps_plan_every_run_they_document(toml):
+    """A sweep file the docs tell users to run resolves every run: a method parameter misspelt or out of range,
+    or a setting that does not exist, fails here instead of after hours of the runs before it."""
+    from fedlt.experiments.sweep import load_sweep
+
+    sweep = load_sweep(toml)
+    runs = plan(sweep)
+    assert len(runs) == len(sweep.seeds) * len(sweep.settings) * len(sweep.methods)
+    assert {r.cfg.method for r in runs} <= set(METHODS.names())
