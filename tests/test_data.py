@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import pickle
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -194,3 +195,22 @@ def test_batches_never_end_with_a_lone_sample_and_cover_the_epoch(n, bs, drop_la
         if not drop_last:
             assert sorted(seen.tolist()) == list(range(n))
         assert len(set(seen.tolist())) == len(seen)
+
+
+def test_digits_are_scikit_learns_without_importing_it():
+    """The digits loader reads the file scikit-learn bundles, as its load_digits reads it, in a process that never
+    imports scikit-learn (whose import costs every digits run about 2 s)."""
+    import subprocess
+
+    from sklearn.datasets import load_digits
+
+    from fedlt.data.datasets import _sklearn_digits
+
+    images, target = _sklearn_digits()
+    ref = load_digits()
+    assert images.dtype == ref.images.dtype and np.array_equal(images, ref.images)
+    assert target.dtype == ref.target.dtype and np.array_equal(target, ref.target)
+    code = ("import sys; from fedlt.data.datasets import load_dataset; d = load_dataset('digits', None); "
+            "print(len(d.y_train) + len(d.y_test), 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1797", "False"]

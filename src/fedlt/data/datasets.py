@@ -159,14 +159,30 @@ def load_cifar100(data_dir: str | None = None, **_) -> Dataset:
     return ds
 
 
+def _sklearn_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as its ``load_digits`` gives them (images [1797, 8, 8], targets), read from the file it
+    bundles (``datasets/data/digits.csv.gz``, as its loader reads it) without importing scikit-learn, whose import
+    costs a process about 2 s; its loader where that file is not found."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits as sk_load
+
+        d = sk_load()
+        return d.images, d.target
+    with gzip.open(path, mode="rt", encoding="utf-8") as f:
+        data = np.loadtxt(f, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+
+
 @DATASETS.register("digits")
 def load_digits(data_dir: str | None = None, seed: int = 0, test_fraction: float = 0.3, **_) -> Dataset:
     """scikit-learn's bundled 8x8 digits (1,797 images), split into a balanced test set per class."""
-    from sklearn.datasets import load_digits as sk_load
-
-    d = sk_load()
-    x = np.clip(d.images * 16.0, 0, 255).astype(np.uint8)[:, None]  # 0..16 -> 0..255
-    y = d.target.astype(np.int64)
+    images, target = _sklearn_digits()
+    x = np.clip(images * 16.0, 0, 255).astype(np.uint8)[:, None]  # 0..16 -> 0..255
+    y = target.astype(np.int64)
     rng = np.random.default_rng(12345)  # fixed split, independent of the run seed
     n_test = int(min(np.bincount(y)) * test_fraction)
     test_idx = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:n_test] for c in range(10)])
