@@ -195,6 +195,15 @@ def test_a_run_directory_from_before_a_setting_existed_still_resumes():
     assert config_differences(saved, current) == []
     assert config_differences({**saved, "lr_gamma": 0.5}, current) == ["lr_gamma: 0.5 -> 0.1"]
     assert "allow_large" in NOT_COMPARED and "rounds" not in NOT_COMPARED
+    # a method parameter added later (Ditto's personal_clip, personal_lr_scale) had its default: a checkpoint of
+    # the run before resumes; a saved value other than the default still differs
+    current = {**current, "method": "ditto", "method_params": {"lam": 1.0, "personal_epochs": None,
+                                                              "personal_lr_scale": 1.0, "personal_clip": None}}
+    before = {**saved, "method": "ditto", "method_params": {"lam": 1.0, "personal_epochs": None}}
+    assert config_differences(before, current) == []
+    assert config_differences(before, {**current, "method_params": {**current["method_params"], "personal_clip": 1.0}}) \
+        == ["method_params: {'lam': 1.0, 'personal_epochs': None, 'personal_lr_scale': 1.0, 'personal_clip': None} -> "
+            "{'lam': 1.0, 'personal_epochs': None, 'personal_lr_scale': 1.0, 'personal_clip': 1.0}"]
 
 
 # ------------------------------------------------------------------------------------------------ method Params

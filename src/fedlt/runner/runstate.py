@@ -47,13 +47,15 @@ NOT_COMPARED = frozenset({name for name, s in SETTINGS.items() if not s.decl.res
 
 def config_differences(saved: dict, current: dict) -> list[str]:
     """``key: saved -> current`` for every setting of ``current`` (less NOT_COMPARED) that differs. A run
-    setting that ``saved`` lacks (a run directory made before the setting existed) had its default; a method
-    parameter saved as an earlier version's sentinel for None (``old_none``) reads as None."""
+    setting or a method parameter that ``saved`` lacks (a run directory made before it existed) had its default;
+    a method parameter saved as an earlier version's sentinel for None (``old_none``) reads as None."""
     keys = set(current) - NOT_COMPARED
     old = {k: SETTINGS[k].default for k in keys if k not in saved and k in SETTINGS}
     saved = {**old, **saved}
     if isinstance(saved.get("method_params"), dict) and current.get("method") in METHODS:  # -1.0 then, None now
-        saved["method_params"] = read_old(METHODS.get(current["method"]).Params, saved["method_params"])
+        params, now = METHODS.get(current["method"]).Params, current.get("method_params") or {}
+        added = {k: v for k, v in vars(params()).items() if k in now and k not in saved["method_params"]}
+        saved["method_params"] = {**read_old(params, saved["method_params"]), **added}
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(keys)
             if _plain(saved.get(k)) != _plain(current.get(k))]
 
