@@ -66,7 +66,7 @@ class Ditto(FedAvg):
         def loss_fn(model, x, y):
             return F.cross_entropy(model(x), y) + 0.5 * lam * proximal_term(model, anchor)
 
-        lr = (self.spec.lr if payload.lr is None else payload.lr) * self.p.personal_lr_scale
+        lr = self.round_lr(payload) * self.p.personal_lr_scale
         stats = train_local(v, data, self.spec, gen, loss_fn, epochs=self.p.personal_epochs, lr=lr,
                             clip_norm=self.p.personal_clip)
         reply.meta["personal_loss"] = stats["loss"]
