@@ -221,6 +221,12 @@ class RunConfig:
                                             "its worst client's) would pass this", low=0, low_open=True,
                                       metavar="E", group=PRIVACY,
                                       reads=("engine",), none_means="no budget")
+    dp_noise_seed: str = setting("run", "where the DP noise comes from: run (from --seed and the round: reproducible, "
+                                        "but whoever knows the seed -- config.json records it -- can draw the same "
+                                        "noise and subtract it; for experiments) or secret (from a 256-bit key the "
+                                        "operating system draws when the run starts, kept only in its checkpoints; "
+                                        "on Flower each SuperNode's DP-SGD noise from a key of its own that never "
+                                        "leaves it)", choices=("run", "secret"), group=PRIVACY, reads=("engine",))
     # secure aggregation (fedlt.core.secagg, docs/secure-aggregation.md): Flower's SecAgg+ and its parameters
     secagg: bool = setting(False, "secure aggregation: Flower's SecAgg+ masks each client's update, the server "
                                   "learns only their weighted mean (on Flower the protocol itself, in `fedlt run` its "
@@ -768,6 +774,9 @@ RELATIONS: list[Relation] = [
                  "accountant); add --dp client or drop it", others=("dp",),
                  bad=({"dp_accountant": "pld"}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0,
                                                   "dp_accountant": "pld"})),
+    applies_when("dp_noise_seed", lambda c: c.dp != "off" or c.dp_noise_seed == "run",
+                 "--dp-noise-seed secret applies to --dp client and --dp sample; add one or drop it", others=("dp",),
+                 bad=({"dp_noise_seed": "secret"},)),
     applies_when("dp_budget", lambda c: c.dp != "off", "--dp-budget applies to --dp client and --dp sample; add one or "
                  "drop it", others=("dp",), bad=({"dp_budget": 8.0},)),
     applies_when("dp_stats_clip",

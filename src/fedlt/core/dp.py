@@ -90,6 +90,47 @@ def require() -> Any:
     return dp_accounting
 
 
+# --dp-noise-seed: where the noise's randomness comes from (docs/differential-privacy.md, "Where the noise comes from")
+NOISE_SEEDS = {"run": "run: a function of the run's seed (config.json records it) and the round; whoever knows the "
+                      "seed can draw the same noise and subtract it: reproducible, for experiments",
+               "secret": "secret: from a 256-bit key drawn from the operating system (secrets.token_hex) when the run "
+                         "starts, kept in its checkpoints only (the server's noise; a Flower SuperNode's DP-SGD noise "
+                         "from a key of its own, which never leaves it)"}
+
+
+def new_key() -> str:
+    """A fresh secret noise key: 256 bits from the operating system's entropy, as 64 hex digits."""
+    import secrets
+
+    return secrets.token_hex(32)
+
+
+def keyed_seed(key: str, *ints: int) -> int:
+    """A 63-bit seed from secret ``key`` (64 hex digits) and ``ints`` (purpose, round, client, ...): the key's eight
+    32-bit words and the ints through ``numpy.random.SeedSequence`` (:func:`fedlt.core.method.derive_seed`), so that
+    one who lacks the key cannot tell the seed, and two ints give unrelated seeds."""
+    from .method import derive_seed
+
+    if len(key) != 64:
+        raise ConfigError(f"a DP noise key has 64 hex digits, not {len(key)}: the checkpoint or --state-dir holding it "
+                          f"is damaged")
+    return derive_seed(*(int(key[i:i + 8], 16) for i in range(0, 64, 8)), *ints)
+
+
+def noise_key(cfg) -> str | None:
+    """A new secret noise key for a run with ``--dp-noise-seed secret`` (a resumed run then takes its checkpoint's),
+    else None."""
+    return new_key() if getattr(cfg, "dp_noise_seed", "run") == "secret" else None
+
+
+def noise_generator(key: str | None, seed: int, *ints: int) -> torch.Generator:
+    """The generator of a DP noise draw: from the run's ``seed`` and ``ints`` (``--dp-noise-seed run``), or from the
+    secret ``key`` and ``ints`` (``secret``)."""
+    from .method import derive_seed
+
+    return torch.Generator().manual_seed(derive_seed(seed, *ints) if key is None else keyed_seed(key, *ints))
+
+
 PLD_INTERVAL = 1e-3  # the PLD accountant's discretisation: its epsilons agree with 1e-4's to 1e-4, ten times faster
 ACCOUNTANTS = {"rdp": "rdp.RdpAccountant (orders 2-255, 256, 512, 1024)",
                "pld": f"pld.PLDAccountant (value_discretization_interval {PLD_INTERVAL:g})"}
@@ -388,9 +429,11 @@ class ClientDP:
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
                  budget: float | None, population: int, per_round: int, rounds: int, quantile: float | None = None,
                  clip_lr: float = 0.2, count_noise: float | None = None, means: tuple[str, ...] = (),
-                 num_classes: int = 0, stats_clip: float | None = None, accountant: str = "rdp"):
+                 num_classes: int = 0, stats_clip: float | None = None, accountant: str = "rdp",
+                 key: str | None = None):
         require()
         self.clip, self.population, self.rounds = float(clip), int(population), int(rounds)
+        self.key = key  # --dp-noise-seed secret: the server's noise key (None: the noise follows from the run's seed)
         self.first_clip = self.clip
         self.rate = per_round / population
         self.delta = float(delta) if delta is not None else default_delta(population)
@@ -482,11 +525,14 @@ class ClientDP:
         return [(c, Message(rows[c], r.meta)) for c, r in replies]
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: the clip (adaptive clipping moves it every round)."""
-        return {"clip": self.clip}
+        """What a checkpoint keeps: the clip (adaptive clipping moves it every round) and the secret noise key, so
+        that a resumed run draws the noise the uninterrupted one would (a round run again sends nothing new)."""
+        return {"clip": self.clip, **({} if self.key is None else {"key": self.key})}
 
     def load_state_dict(self, d: dict) -> None:
         self.clip = float(d.get("clip", self.clip))
+        if self.key is not None and "key" in d:
+            self.key = str(d["key"])
 
     def epsilon(self, rounds: int) -> float:
         if rounds not in self._epsilons:
@@ -534,6 +580,7 @@ class ClientDP:
                                         "release_noise^2 num_classes) on the count of clients holding it"}),
                 "weighting": "uniform (every client 1), fixed denominator sample_rate x population",
                 "adjacency": "add or remove one client", "target_epsilon": self.target,
+                "noise_seed": NOISE_SEEDS["run" if self.key is None else "secret"],
                 "accountant": f"dp-accounting {version('dp-accounting')} {ACCOUNTANTS[self.accountant]}, "
                               f"PoissonSampledDpEvent(sample_rate, GaussianDpEvent(noise_multiplier)) composed rounds "
                               f"times, get_epsilon(delta)"}

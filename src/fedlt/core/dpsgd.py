@@ -63,6 +63,7 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from ..errors import ConfigError
+from .dp import NOISE_SEEDS, keyed_seed
 from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_loss, stats_of
 from .training import Meter
 
@@ -195,8 +196,10 @@ class SampleDP:
 
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
                  schedule: list[list[int]], sizes: Callable[[], Any], budget: float | None = None,
-                 batch_size: int = 32, local_epochs: int = 1):
+                 batch_size: int = 32, local_epochs: int = 1, key: str | None = None):
         require()
+        # --dp-noise-seed secret: the clients' noise key (a SuperNode's own: on_client); None: from the run's seed
+        self.key = key
         self.clip, self.noise, self.target, self._delta = float(clip), noise, target, delta
         # --dp-budget: the round whose clients' epsilons it would pass is not run (:meth:`over_budget`)
         self.budget, self.schedule, self.batch_size, self.local_epochs = budget, schedule, batch_size, local_epochs
@@ -213,15 +216,16 @@ class SampleDP:
         self.remote = False  # the clients train by DP-SGD themselves (Flower's): their gradient norms stay there
 
     @classmethod
-    def on_client(cls, cfg, cid: int, ctl) -> "SampleDP":
+    def on_client(cls, cfg, cid: int, ctl, key: str | None = None) -> "SampleDP":
         """A SuperNode's DP-SGD for its client ``cid`` (Flower): the run's clip and noise or target epsilon, and what
         the server's message says (``dp-delta``; ``dp-rounds``: the client's rounds in the schedule, for
-        --dp-epsilon; ``dp-noise``: its noise multiplier, once the server knows it from an earlier reply)."""
+        --dp-epsilon; ``dp-noise``: its noise multiplier, once the server knows it from an earlier reply);
+        ``key``: the SuperNode's own noise key (``--dp-noise-seed secret``)."""
         if "dp-delta" not in ctl:
             raise ConfigError("--dp sample: the message carries no delta (dp-delta), so this client cannot solve its "
                               "noise: the server runs another fedlt")
         dp = cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, float(ctl["dp-delta"]), [], lambda: [],
-                 batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
+                 batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, key=key)
         dp.rounds_of = {int(cid): int(ctl.get("dp-rounds", 1))}
         if "dp-noise" in ctl:
             dp.noises[int(cid)] = float(ctl["dp-noise"])
@@ -277,7 +281,9 @@ class SampleDP:
         run.net.train()
         trained = [run.live[k] for k in run.groups]
         dev = trained[0].device if trained else torch.device(spec.device)
-        noise_gen = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        draw = int(torch.randint(0, 2**62, (1,), generator=gen))  # the same batches with either --dp-noise-seed
+        noise_gen = torch.Generator(device=dev).manual_seed(draw if self.key is None else
+                                                            keyed_seed(self.key, cid, draw))
         opt = DPOptimizer(run.opt, noise_multiplier=z, max_grad_norm=self.clip, expected_batch_size=n * rate,
                           generator=noise_gen)
         acc = RDPAccountant()
@@ -428,13 +434,16 @@ class SampleDP:
         """What a checkpoint keeps: every client's accountant history, noise multiplier, sampling rate and steps a
         round (--dp-budget's foresight)."""
         return {"histories": {c: [list(h) for h in v] for c, v in self.histories.items()},
-                "noises": dict(self.noises), "rates": dict(self.rates), "steps": dict(self.steps_of)}
+                "noises": dict(self.noises), "rates": dict(self.rates), "steps": dict(self.steps_of),
+                **({} if self.key is None else {"key": self.key})}
 
     def load_state_dict(self, d: dict) -> None:
         self.histories = {int(c): [tuple(h) for h in v] for c, v in d.get("histories", {}).items()}
         self.noises = {int(c): float(v) for c, v in d.get("noises", {}).items()}
         self.rates = {int(c): float(v) for c, v in d.get("rates", {}).items()}
         self.steps_of = {int(c): int(v) for c, v in d.get("steps", {}).items()}
+        if self.key is not None and "key" in d:
+            self.key = str(d["key"])
 
     def table(self, rounds: int) -> dict:
         """summary.json's ``dp``: the worst client's epsilon, and every client's accountant inputs, to recompute
@@ -451,6 +460,7 @@ class SampleDP:
                 "sampling": "Poisson: each sample in a step with probability sample_rate = 1 / (its batches an "
                             "epoch), 1 / sample_rate steps an epoch (opacus UniformWithReplacementSampler)",
                 "adjacency": "add or remove one sample of one client",
+                "noise_seed": NOISE_SEEDS["run" if self.key is None else "secret"],
                 "mechanism": f"opacus {opacus} DPOptimizer: per-sample gradients clipped to clip, "
                              f"N(0, (noise_multiplier clip)^2) on their sum, divided by samples x sample_rate",
                 "accountant": f"opacus {opacus} RDPAccountant (its default orders), one per client, "

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..config import RunConfig, clients_per_round, lr_at, worker_count
-from ..core.dp import ClientDP, class_means
+from ..core.dp import ClientDP, class_means, noise_generator, noise_key
 from ..core.dpsgd import SampleDP
 from ..core.method import Message, Method, derive_seed
 from ..core.privacy import sends_check
@@ -182,13 +182,13 @@ class Driver:
                                                             cfg.dp_budget, num_clients, per_round, cfg.rounds,
                                                             cfg.dp_clip_quantile, cfg.dp_clip_lr, cfg.dp_count_noise,
                                                             class_means(method.sends), method.spec.num_classes,
-                                                            cfg.dp_stats_clip, cfg.dp_accountant)
+                                                            cfg.dp_stats_clip, cfg.dp_accountant, noise_key(cfg))
         self.schedule = sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed) if self.dp is None else \
             poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed)
         if cfg.dp == "sample":  # --dp sample (core.dpsgd): DP-SGD in every client's described steps, an accountant each
             self.dp = method.dpsgd = SampleDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, self.schedule,
                                               lambda: self.counts().sum(1), cfg.dp_budget, method.spec.batch_size,
-                                              method.spec.local_epochs)
+                                              method.spec.local_epochs, noise_key(cfg))
         self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)
         # --secagg (core.secagg): the server receives a training round's replies as SecAgg+ unmasks them; a transport
         # that runs the protocol itself says so (``secagg``: Flower's), the others' rounds simulate it (exchange)
@@ -347,8 +347,7 @@ class Driver:
         replies, comm = self.exchange(TRAINING, rnd, f"round {rnd}", cids, lambda c: m.configure(self.state, rnd, c),
                                       plan)
         if self.dp is not None and replies:  # the server's noise on the clipped updates' sum (core.dp)
-            replies = self.dp.server_side(replies, torch.Generator().manual_seed(
-                derive_seed(self.cfg.seed, DP_NOISE, rnd, 0)))
+            replies = self.dp.server_side(replies, noise_generator(self.dp.key, self.cfg.seed, DP_NOISE, rnd, 0))
         if replies:
             self.state = m.aggregate(self.state, rnd, replies)
         else:  # a round nobody answered leaves the state as it was

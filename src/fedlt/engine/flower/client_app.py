@@ -84,8 +84,8 @@ from ..driver import PHASE, TRAIN, client_generator
 from ...errors import ConfigError, DataError
 from ...metrics import GROUPS, as_modes, client_reports, client_split
 from ...plugins import method_class
-from .records import (control, enter_session, from_records, load_client_state, records_value, save_client_state,
-                      to_records)
+from .records import (control, enter_session, from_records, load_client_state, node_noise_key, records_value,
+                      save_client_state, to_records)
 from .secagg import client_mod as secagg_mod
 
 app = ClientApp()
@@ -233,8 +233,10 @@ class Node:
         if state_dir and "session" in ctl:
             enter_session(state_dir, run, int(ctl["session"]))
         # --dp sample: this message's DP-SGD (a train or phase message's; the cached method serves other runs too)
-        method.dpsgd = SampleDP.on_client(job.cfg, cid, ctl) if job.cfg.dp == "sample" and \
-            msg.metadata.message_type.startswith("train") else None
+        # (--dp-noise-seed secret: from this SuperNode's own key, records.node_noise_key)
+        training = job.cfg.dp == "sample" and msg.metadata.message_type.startswith("train")
+        key = node_noise_key(context.state, state_dir, run) if training and job.cfg.dp_noise_seed == "secret" else None
+        method.dpsgd = SampleDP.on_client(job.cfg, cid, ctl, key) if training else None
         return cls(cid, data, method, job, state_dir, run, ctl)
 
     def client_state(self, context: Context) -> dict:

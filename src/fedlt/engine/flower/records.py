@@ -102,6 +102,39 @@ def state_file(state_dir: str | os.PathLike, run: str | int, cid: int) -> Path:
     return node_store(state_dir, run).path_of(cid)
 
 
+NOISE_KEY = "fedlt.dp-noise-key"  # context.state's record, and the file in a --state-dir's run folder
+
+
+def node_noise_key(state: RecordDict, state_dir: str | os.PathLike | None, run: str | int) -> str:
+    """This SuperNode's secret DP noise key for fedlt run ``run`` (``--dp-noise-seed secret``): the one its
+    ``--state-dir`` keeps for the run (written once, readable by its owner only), else the one ``context.state``
+    keeps (the SuperNode's memory), else a new one (:func:`fedlt.core.dp.new_key`) kept in both. It never leaves the
+    SuperNode; kept, it makes a round run again after a restart draw the noise it drew before."""
+    from ...core.dp import new_key
+
+    f = Path(state_dir) / f"run-{run}" / NOISE_KEY if state_dir else None
+    if f is not None and f.is_file():
+        key = f.read_text().strip()
+    elif NOISE_KEY in state and str(state[NOISE_KEY].get("run")) == str(run):
+        key = str(state[NOISE_KEY]["key"])
+    else:
+        key = new_key()
+    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        raise ConfigError(f"{f or 'the SuperNode memory'}'s DP noise key is damaged (64 hex digits expected); delete "
+                          f"it to draw a new one (this client's noise of the rounds already run is then not redrawn)")
+    if f is not None and not f.is_file():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f"{NOISE_KEY}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(key)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, f)
+    state[NOISE_KEY] = ConfigRecord({"run": str(run), "key": key})
+    return key
+
+
 def enter_session(state_dir: str | os.PathLike, run: str | int, session: int) -> None:
     """Refuse a message of an earlier start of the run than one this store has served (a message a SuperLink
     kept from before it was restarted: it would roll the clients back behind the resumed run)."""
