@@ -152,15 +152,16 @@ SAMPLE = dict(dp="sample", dp_clip=1.0, dp_epsilon=6.0, clients=4, participation
               local_epochs=1, threads=1)
 
 
-@pytest.mark.parametrize("case", ["fedavg-secagg", "fedloge"])
+@pytest.mark.parametrize("case", ["fedavg-secagg", "fedloge", "fedrod"])
 def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accountant_leave(tmp_path, case):
     """Each SuperNode solves its own noise for the target epsilon (the server's delta, its rounds in the schedule),
     trains by DP-SGD and sends its model, its size and its accountant's entries; the server's accountants give the
     simulator's epsilons, table and model bit for bit (FedLoGe: its phases and personal heads too; FedAvg through
-    SecAgg+, each update weighted by its client's size). Describe sends the client's size and no label counts; the
-    per-sample gradient norms stay on the clients."""
+    SecAgg+, each update weighted by its client's size; FedRoD: its loss on the client's class counts noised once, the
+    release first in each accountant, which the server counted from the first reply's entries). Describe sends the
+    client's size and no label counts; the per-sample gradient norms stay on the clients."""
     pytest.importorskip("opacus")
-    over = dict(SAMPLE, method="fedloge") if case == "fedloge" else \
+    over = dict(SAMPLE, method=case) if case != "fedavg-secagg" else \
         dict(SAMPLE, method="fedavg", secagg=True, participation=1.0)
     sim = rundir.run(small_config(**over, out=str(tmp_path), name="sim"), progress=False, **QUIET)
     st, grid, fl = run_inprocess(small_config(**over, out=str(tmp_path), name="fl"), **QUIET)
@@ -174,6 +175,9 @@ def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accou
     assert a == b and fl["dp"] == sim["dp"] and _timeless(fl["final"]) == _timeless(sim["final"])
     _sent_beside(tmp_path / "sim", tmp_path / "fl", "dp_history")  # the accountant entries left them too
     assert fl["dp"]["epsilon"] <= 6.0 and len({c["noise_multiplier"] for c in fl["dp"]["clients"].values()}) > 1
+    if case == "fedrod":  # every accountant begins with the counts' release, once
+        assert all([h[:2] for h in c["history"]].count([5.0, 1.0]) == 1 and c["history"][0] == [5.0, 1.0, 1]
+                   for c in fl["dp"]["clients"].values())
     for m in grid.replied:
         kind = m.metadata.message_type
         if kind == "query.describe":
@@ -181,7 +185,7 @@ def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accou
         elif kind == "evaluate":
             reports = json.loads(str(control(m.content)["reports"]))
             assert all(set(rep) - {"nonfinite"} == {"acc", *GROUPS} for rep in reports.values())
-        elif kind.startswith("train") and case == "fedloge":  # (SecAgg+'s replies are masked vectors)
+        elif kind.startswith("train") and case != "fedavg-secagg":  # (SecAgg+'s replies are masked vectors)
             meta = from_records(m.content).meta
             assert set(meta) == {"num_examples", "dp_history"}, meta
             assert kind == "train.phase" or meta["dp_history"]

@@ -12,6 +12,7 @@ import io
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,7 +204,7 @@ def test_a_batchnorm_model_is_refused_on_the_command_line_naming_models_that_wor
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("method, says", [("fedrs", "does not declare"), ("fedrep", "does not declare"),
+@pytest.mark.parametrize("method, says", [("scaffold", "does not declare"), ("fedrep", "does not declare"),
                                           ("balancefl", "does not declare"), ("ccvr", "class-counts")])
 def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
     from fedlt.config import RunConfig, validate
@@ -240,3 +241,64 @@ def test_the_budget_stops_before_the_round_whose_worst_client_would_pass_it(tmp_
     # the round's worst client, as its accountant would have it after the round (the free run's: the clients that
     # did not train in round 5 stay below the budget, so its worst after round 5 trained in it)
     assert f"would reach {eps[4]:.3g} in it" in stopped["stopped"], stopped["stopped"]
+
+
+def test_a_loss_that_reads_class_counts_reads_them_noised_once_and_each_accountant_counts_their_release(
+        tmp_path, monkeypatch):
+    """FedRoD under --dp sample: its loss reads the client's counts plus N(0, S^2) per class, rounded, at least 0 --
+    the same draw in every round (one release) -- and every client's accountant history begins with that release
+    (S, 1, 1), whose epsilon opacus gives for the whole history; --dp-epsilon solves each client's DP-SGD noise
+    for the rest of the budget, so it ends at the target, with more noise than without the release."""
+    from fedlt.core.dpsgd import COUNTS_NOISE, reads_counts
+    from fedlt.methods.fedrod import FedRoD
+
+    seen: dict[int, list] = {}
+    steps_of = FedRoD.local_steps
+
+    def spy(self, payload, cstate, data):
+        out = steps_of(self, payload, cstate, data)
+        seen.setdefault(int(data.client_id), []).append(out.extra["counts"].cpu().numpy().copy())
+        return out
+
+    monkeypatch.setattr(FedRoD, "local_steps", spy)
+    assert reads_counts(FedRoD) and not reads_counts(type(None))
+    cfg = small_config(**{**DP, "dp_noise": None, "dp_epsilon": 6.0, "rounds": 4, "eval_every": 4},
+                       method="fedrod", out=str(tmp_path), name="r")
+    d = rundir.run(cfg, progress=False, echo=lambda *a: None)["dp"]
+    fed = rundir.federation_for(cfg)
+    assert d["counts_noise"] == COUNTS_NOISE and set(seen) == {int(c) for c in d["clients"]}
+    moved = 0
+    for c, row in d["clients"].items():
+        first, *rest = seen[int(c)]
+        assert all((r == first).all() for r in rest)  # one release, read in every round
+        true = fed.clients[int(c)].counts
+        assert (first >= 0).all() and (first == first.round()).all() and (fed.clients[int(c)].counts == true).all()
+        moved += int((first != true).sum())
+        assert row["history"][0] == [COUNTS_NOISE, 1.0, 1] and row["steps"] == sum(h[2] for h in row["history"]) - 1
+        acc = RDPAccountant()
+        acc.history = [tuple(h) for h in row["history"]]
+        assert row["epsilon"] == pytest.approx(acc.get_epsilon(d["delta"]), rel=1e-12)
+        assert 6.0 - 0.01 <= row["epsilon"] <= 6.0
+        L, z = 1 / row["sample_rate"], row["noise_multiplier"]
+        alone = noise_for(6.0, d["delta"], row["sample_rate"], row["steps"])
+        assert z > alone and epsilon_of(((z, row["sample_rate"], row["steps"]),), d["delta"]) < 6.0 - 0.01
+        assert L == batches_per_epoch(row["samples"], cfg.batch_size)
+    assert moved > 0
+
+
+def test_the_counts_noise_has_its_standard_deviation_and_a_release_past_the_budget_is_one_line():
+    from types import SimpleNamespace
+
+    from fedlt.errors import ConfigError
+
+    dp = SampleDP(1.0, 1.0, None, 1e-5, [], lambda: [], counts_noise=3.0, seed=7)
+    counts = [1000] * 10  # far from 0: no clamping
+    diffs = torch.from_numpy(np.array([dp.client_data(SimpleNamespace(client_id=c, counts=counts)).counts - 1000
+                                       for c in range(400)], dtype=np.float64))
+    # rounding adds variance 1/12; the sample std of 4000 draws is within 5 % of the truth
+    assert diffs.std().item() == pytest.approx(math.sqrt(9 + 1 / 12), rel=0.05) and abs(diffs.mean()) < 0.2
+    again = dp.client_data(SimpleNamespace(client_id=3, counts=counts)).counts
+    assert (again - 1000 == diffs[3].numpy()).all()  # the same release every time
+    with pytest.raises(ConfigError, match="counts' release alone") as e:
+        noise_for(0.5, 1e-5, 0.1, 100, ((3.0, 1.0, 1),))
+    assert "\n" not in str(e.value) and "--dp-counts-noise" in str(e.value)

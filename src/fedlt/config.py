@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .core.dp import class_means, default_delta, noise_for, refusal, verdict
+from .core.dpsgd import reads_counts
 from .core import secagg
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
 from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
@@ -221,6 +222,11 @@ class RunConfig:
                                             "its worst client's) would pass this", low=0, low_open=True,
                                       metavar="E", group=PRIVACY,
                                       reads=("engine",), none_means="no budget")
+    dp_counts_noise: float | None = setting(None, "--dp sample: the std, in samples, of the Gaussian noise on each "
+                                                  "class count of a client whose method's loss reads its counts "
+                                                  "(FedRoD, FedLC, FedAvg + BSM, Fed-Focal, FedRS): drawn once, "
+                                                  "counted in the client's accountant", low=0, low_open=True,
+                                            metavar="S", group=PRIVACY, reads=("engine",), none_means="5.0")
     dp_noise_seed: str = setting("run", "where the DP noise comes from: run (from --seed and the round: reproducible, "
                                         "but whoever knows the seed -- config.json records it -- can draw the same "
                                         "noise and subtract it; for experiments) or secret (from a 256-bit key the "
@@ -774,6 +780,14 @@ RELATIONS: list[Relation] = [
                  "accountant); add --dp client or drop it", others=("dp",),
                  bad=({"dp_accountant": "pld"}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0,
                                                   "dp_accountant": "pld"})),
+    applies_when("dp_counts_noise", lambda c: c.dp_counts_noise is None or (c.dp == "sample" and reads_counts(
+                     _method_class(c))),
+                 lambda c: f"--dp-counts-noise noises the class counts that a method's loss reads under --dp sample "
+                           f"({', '.join(n for n, cls in METHODS.items() if reads_counts(cls))})"
+                           + ("; add --dp sample or drop it" if c.dp != "sample" else
+                              f", and method {c.method} reads none; drop it"), others=("dp", "method"),
+                 bad=({"dp_counts_noise": 5.0}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0,
+                                                 "dp_counts_noise": 5.0})),
     applies_when("dp_noise_seed", lambda c: c.dp != "off" or c.dp_noise_seed == "run",
                  "--dp-noise-seed secret applies to --dp client and --dp sample; add one or drop it", others=("dp",),
                  bad=({"dp_noise_seed": "secret"},)),
@@ -830,10 +844,10 @@ RELATIONS: list[Relation] = [
     requires("dp", lambda c: dp_refusal(c)[0] != "undeclared",
              lambda c: f"--dp sample runs DP-SGD in a method's described local steps whose loss of one sample reads no "
                        f"other sample, and method {c.method} does not declare that (Method.dp_sample: its local "
-                       f"training is a loop of its own, or its loss reads its data's class statistics); choose "
-                       f"{words(dp_sample_methods(), 'or')}",
+                       f"training is a loop of its own, or its loss reads statistics of its data other than the class "
+                       f"counts); choose {words(dp_sample_methods(), 'or')}",
              when=lambda c: c.dp == "sample", others=("method",),
-             bad=({"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "fedrs"},)),
+             bad=({"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "scaffold"},)),
     requires("dp", lambda c: worker_count(c) == 0 and str(c.client_parallel) in ("auto", "off")
              and c.precision != "fp16",
              "--dp sample trains a round's clients one after another in this process, in fp32 or bf16 (each keeps its "

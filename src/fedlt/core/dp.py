@@ -240,6 +240,11 @@ def verdict(cls, level: str) -> str:
         also = privatised(getattr(cls, "sends", ()))
         return f"yes, its clients send the model update (clipped and noised) and {', '.join(also)}" if also else \
             "yes, its clients send only the model update (clipped and noised)"
+    from .dpsgd import reads_counts
+
+    if reads_counts(cls):
+        return ("yes, its described local steps run as DP-SGD, its loss reading the client's class counts noised once "
+                "(--dp-counts-noise, counted in the client's accountant)")
     return "yes, its described local steps run as DP-SGD"
 
 

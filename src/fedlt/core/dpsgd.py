@@ -68,6 +68,9 @@ from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_lo
 from .training import Meter
 
 HOOKS = ("init_client", "local_steps", "local_train", "local_reply")  # a class changing one declares again
+COUNTS = "counts"  # dp_sample's value for a loss that also reads the client's class counts
+COUNTS_NOISE = 5.0  # --dp-counts-noise's default: the std, in samples, of the noise on each class count
+DP_COUNTS = 16  # the purpose of the class counts' noise draw (fedlt.engine.driver's purposes end at 15)
 HISTORY = "dp_history"  # a client's accountant entries [(z, q, steps)] of one message, sent beside num_examples (Flower)
 WORKING_MODELS = "smallcnn, cnn-mcmahan, vgg11 or mlp"
 
@@ -88,6 +91,20 @@ def declared(cls) -> bool:
     from .method import declared as flag
 
     return flag(cls, "dp_sample", HOOKS)
+
+
+def counts_of(cfg) -> float:
+    """--dp-counts-noise, else its default :data:`COUNTS_NOISE`."""
+    value = getattr(cfg, "dp_counts_noise", None)
+    return COUNTS_NOISE if value is None else float(value)
+
+
+def reads_counts(cls) -> bool:
+    """Whether method class ``cls`` runs under ``--dp sample`` with a loss that reads the client's class counts
+    (``dp_sample = "counts"``): its clients' counts are then noised once (:meth:`SampleDP.client_data`)."""
+    from .method import declaration
+
+    return declaration(cls, "dp_sample", HOOKS) == COUNTS
 
 
 def check_model(model: torch.nn.Module, name: str) -> None:
@@ -155,17 +172,47 @@ def epsilon_of(history: tuple, delta: float) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def noise_for(target: float, delta: float, rate: float, steps: int) -> float:
+def noise_for(target: float, delta: float, rate: float, steps: int, prefix: tuple = ()) -> float:
     """opacus's ``get_noise_multiplier`` (RDP, its tolerance 0.01): the noise whose epsilon after ``steps`` steps at
-    ``rate`` is at most ``target``; a budget it cannot meet is one line."""
+    ``rate`` is at most ``target``; a budget it cannot meet is one line. ``prefix``: accountant entries before the
+    steps (the class counts' release, :meth:`SampleDP.prefix`), solved for by opacus's own bisection over the whole
+    history."""
     from opacus.accountants.utils import get_noise_multiplier
 
+    if prefix:
+        return _noise_after(target, delta, rate, steps, tuple(map(tuple, prefix)))
     try:
         return float(get_noise_multiplier(target_epsilon=target, target_delta=delta, sample_rate=rate, steps=steps,
                                           accountant="rdp"))
     except ValueError:
         raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {steps} DP-SGD steps at sampling rate "
                           f"{rate:.3g}: raise it, or train fewer rounds or local epochs") from None
+
+
+def _noise_after(target: float, delta: float, rate: float, steps: int, prefix: tuple, tol: float = 0.01) -> float:
+    """:func:`noise_for` after ``prefix``: get_noise_multiplier's own search (sigma doubled from 10 until the epsilon
+    is below ``target``, then bisected from [0, sigma] until it is within ``tol`` below it), on the history
+    ``prefix + ((sigma, rate, steps),)``."""
+    alone = epsilon_of(prefix, delta)
+    if alone >= target:
+        raise ConfigError(f"--dp-epsilon {target:g}: the class counts' release alone spends {alone:.3g} "
+                          f"(--dp-counts-noise {prefix[0][0]:g}); raise --dp-epsilon or --dp-counts-noise")
+    eps = lambda z: epsilon_of(prefix + ((z, rate, steps),), delta)  # noqa: E731
+    low, high, eps_high = 0.0, 10.0, float("inf")
+    while eps_high > target:
+        high *= 2
+        eps_high = eps(high)
+        if high > 1e6:  # opacus's MAX_SIGMA
+            raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {steps} DP-SGD steps at sampling rate "
+                              f"{rate:.3g}: raise it, or train fewer rounds or local epochs")
+    while target - eps_high > tol:
+        mid = (low + high) / 2
+        e = eps(mid)
+        if e < target:
+            high, eps_high = mid, e
+        else:
+            low = mid
+    return high
 
 
 def per_sample_grads(method, steps: LocalSteps, run: StepRun, part_names: list[str]) -> Callable:
@@ -196,10 +243,14 @@ class SampleDP:
 
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
                  schedule: list[list[int]], sizes: Callable[[], Any], budget: float | None = None,
-                 batch_size: int = 32, local_epochs: int = 1, key: str | None = None):
+                 batch_size: int = 32, local_epochs: int = 1, key: str | None = None,
+                 counts_noise: float | None = None, seed: int = 0):
         require()
         # --dp-noise-seed secret: the clients' noise key (a SuperNode's own: on_client); None: from the run's seed
-        self.key = key
+        self.key, self.seed = key, int(seed)
+        # a method whose loss reads the client's class counts (reads_counts): their noise's std (--dp-counts-noise)
+        self.counts_noise = None if counts_noise is None else float(counts_noise)
+        self.counted: set[int] = set()  # a SuperNode's client whose counts' release the server has counted
         self.clip, self.noise, self.target, self._delta = float(clip), noise, target, delta
         # --dp-budget: the round whose clients' epsilons it would pass is not run (:meth:`over_budget`)
         self.budget, self.schedule, self.batch_size, self.local_epochs = budget, schedule, batch_size, local_epochs
@@ -216,17 +267,21 @@ class SampleDP:
         self.remote = False  # the clients train by DP-SGD themselves (Flower's): their gradient norms stay there
 
     @classmethod
-    def on_client(cls, cfg, cid: int, ctl, key: str | None = None) -> "SampleDP":
+    def on_client(cls, cfg, cid: int, ctl, key: str | None = None, counts: bool = False) -> "SampleDP":
         """A SuperNode's DP-SGD for its client ``cid`` (Flower): the run's clip and noise or target epsilon, and what
         the server's message says (``dp-delta``; ``dp-rounds``: the client's rounds in the schedule, for
         --dp-epsilon; ``dp-noise``: its noise multiplier, once the server knows it from an earlier reply);
-        ``key``: the SuperNode's own noise key (``--dp-noise-seed secret``)."""
+        ``key``: the SuperNode's own noise key (``--dp-noise-seed secret``); ``counts``: the method's loss reads the
+        client's class counts (:func:`reads_counts`; ``dp-counted``: the server has counted their release)."""
         if "dp-delta" not in ctl:
             raise ConfigError("--dp sample: the message carries no delta (dp-delta), so this client cannot solve its "
                               "noise: the server runs another fedlt")
         dp = cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, float(ctl["dp-delta"]), [], lambda: [],
-                 batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, key=key)
+                 batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, key=key,
+                 counts_noise=counts_of(cfg) if counts else None, seed=cfg.seed)
         dp.rounds_of = {int(cid): int(ctl.get("dp-rounds", 1))}
+        if int(ctl.get("dp-counted", 0)):
+            dp.counted.add(int(cid))
         if "dp-noise" in ctl:
             dp.noises[int(cid)] = float(ctl["dp-noise"])
         return dp
@@ -243,7 +298,8 @@ class SampleDP:
 
     def control(self, cid: int) -> dict:
         """What a message to client ``cid`` says for its DP-SGD on a SuperNode (:meth:`on_client`)."""
-        out = {"dp-delta": self.delta, "dp-rounds": self.rounds_of.get(cid, 1)}
+        out = {"dp-delta": self.delta, "dp-rounds": self.rounds_of.get(cid, 1),
+               **({"dp-counted": 1} if self.counts_noise is not None and cid in self.histories else {})}
         return {**out, "dp-noise": self.noises[cid]} if cid in self.noises else out
 
     @property
@@ -253,13 +309,46 @@ class SampleDP:
         return float(self._delta)
 
     # ------------------------------------------------------------------------------------------- the client
+    def prefix(self) -> tuple:
+        """The accountant entry of a client's class counts' release, which begins its history (a method whose loss
+        reads them, :func:`reads_counts`): the Gaussian mechanism of std ``counts_noise`` on a histogram that one
+        sample changes by 1 in one class (L2 sensitivity 1), i.e. noise multiplier ``counts_noise``, sampling rate 1,
+        one step; else nothing."""
+        return () if self.counts_noise is None else ((self.counts_noise, 1.0, 1),)
+
+    def history_of(self, cid: int) -> list:
+        """Client ``cid``'s accountant history before its next steps: what it has, else the counts' release
+        (:meth:`prefix`) unless counted already (a SuperNode's, ``dp-counted``)."""
+        if cid in self.histories:
+            return list(self.histories[cid])
+        return [] if cid in self.counted else list(self.prefix())
+
+    def client_data(self, data):
+        """``data`` as the client's loss may read it under DP-SGD: for a method whose loss reads the class counts,
+        a view whose ``counts`` are the client's own plus ``N(0, counts_noise^2)`` per class, rounded, at least 0
+        (post-processing), the same draw every time (from the noise key, or the run's seed, and the client's id:
+        one release); else ``data`` itself."""
+        if self.counts_noise is None:
+            return data
+        import copy
+
+        from .dp import noise_generator
+
+        counts = np.asarray(data.counts, dtype=np.float64)
+        gen = noise_generator(self.key, self.seed, DP_COUNTS, int(data.client_id))
+        noise = torch.randn(len(counts), generator=gen, dtype=torch.float64).numpy() * self.counts_noise
+        view = copy.copy(data)
+        view.counts = np.clip(np.rint(counts + noise), 0, None)
+        return view
+
     def noise_of(self, cid: int, rate: float, per_round: int, keep: bool = True) -> float:
         """Client ``cid``'s noise multiplier: --dp-noise, or solved for --dp-epsilon over its steps in the run (kept
         once it trains; ``keep`` False: only asked, --dp-budget's foresight)."""
         if cid in self.noises:
             return self.noises[cid]
         z = float(self.noise) if self.noise is not None else \
-            noise_for(float(self.target), self.delta, rate, per_round * max(1, self.rounds_of.get(cid, 1)))
+            noise_for(float(self.target), self.delta, rate, per_round * max(1, self.rounds_of.get(cid, 1)),
+                      self.prefix())
         if keep:
             self.noises[cid] = z
         return z
@@ -287,7 +376,7 @@ class SampleDP:
         opt = DPOptimizer(run.opt, noise_multiplier=z, max_grad_norm=self.clip, expected_batch_size=n * rate,
                           generator=noise_gen)
         acc = RDPAccountant()
-        acc.history = [tuple(h) for h in self.histories.get(cid, [])]
+        acc.history = [tuple(h) for h in self.history_of(cid)]
         opt.attach_step_hook(acc.get_optimizer_hook_fn(sample_rate=rate))
         part_names: list[str] = []
         grads_of = per_sample_grads(method, steps, run, part_names)
@@ -366,15 +455,24 @@ class SampleDP:
 
     def disagrees(self, cid: int, entries: list) -> str | None:
         """Why a client's accountant entries of one message are not what its size and the run's settings give (its
-        sampling rate ``1 / L``, whole epochs of ``L`` steps, the noise multiplier :meth:`noise_of` gives for them),
-        or None: the accountant takes no sampling rate or noise on a client's word."""
+        sampling rate ``1 / L``, whole epochs of ``L`` steps, the noise multiplier :meth:`noise_of` gives for them;
+        first, where the method's loss reads class counts and the client has no history here, their release,
+        :meth:`prefix`), or None: the accountant takes no sampling rate or noise on a client's word."""
         L = batches_per_epoch(int(np.asarray(self.sizes())[cid]), self.batch_size)
-        steps = sum(n for _, _, n in entries)
-        if any(q != 1.0 / L for _, q, _ in entries) or steps % L:
+        rest = list(entries)
+        if self.prefix() and cid not in self.histories:
+            z0, q0, _ = self.prefix()[0]
+            if not rest or (rest[0][0], rest[0][1]) != (z0, q0):
+                return (f"client {cid}'s accountant entries {entries} do not begin with the release of its class "
+                        f"counts ({z0:g}, {q0:g}, 1): its SuperNode runs another fedlt or other settings")
+            # the release, then the steps (opacus merges steps of the same noise and rate into its entry)
+            rest = ([(z0, q0, rest[0][2] - 1)] if rest[0][2] > 1 else []) + rest[1:]
+        steps = sum(n for _, _, n in rest)
+        if any(q != 1.0 / L for _, q, _ in rest) or steps % L:
             return (f"client {cid}'s accountant entries {entries} do not sample at 1/{L} in whole epochs of {L} steps, "
                     f"as its size gives: its SuperNode runs another fedlt or other settings")
-        z = self.noise_of(cid, 1.0 / L, steps, keep=False)
-        if any(e[0] != z for e in entries):
+        z = self.noise_of(cid, 1.0 / L, steps, keep=False) if steps else None
+        if any(e[0] != z for e in rest):
             return (f"client {cid}'s accountant entries {entries} do not have the noise multiplier {z:g} its size and "
                     f"the run's settings give: its SuperNode runs another fedlt or other settings")
         return None
@@ -411,7 +509,7 @@ class SampleDP:
             L = batches_per_epoch(int(sizes[c]), self.batch_size)
             steps = self.steps_of.get(c, self.local_epochs * L)
             z = self.noise_of(c, 1.0 / L, steps, keep=False)
-            e = epsilon_of(tuple(map(tuple, self.histories.get(c, []))) + ((z, 1.0 / L, steps),), self.delta)
+            e = epsilon_of(tuple(map(tuple, self.history_of(c))) + ((z, 1.0 / L, steps),), self.delta)
             if e > eps:
                 worst, eps = c, e
         if eps <= self.budget:
@@ -454,13 +552,19 @@ class SampleDP:
         return {"level": "sample", "epsilon": eps, "worst_client": worst, "delta": self.delta,
                 "noise_multiplier": self.noise, "target_epsilon": self.target, "clip": self.clip, "rounds": rounds,
                 "clients": {c: {"samples": int(sizes[c]), "sample_rate": self.rates[c],
-                                "noise_multiplier": self.noises[c], "steps": int(sum(h[2] for h in self.histories[c])),
+                                "noise_multiplier": self.noises[c],  # DP-SGD's steps (not the counts' release)
+                                "steps": int(sum(h[2] for h in self.histories[c])) - len(self.prefix()),
                                 "history": [list(h) for h in self.histories[c]], "epsilon": self.client_epsilon(c)}
                             for c in sorted(self.histories)},
                 "sampling": "Poisson: each sample in a step with probability sample_rate = 1 / (its batches an "
                             "epoch), 1 / sample_rate steps an epoch (opacus UniformWithReplacementSampler)",
                 "adjacency": "add or remove one sample of one client",
                 "noise_seed": NOISE_SEEDS["run" if self.key is None else "secret"],
+                **({} if self.counts_noise is None else {
+                    "counts_noise": self.counts_noise,
+                    "counts": "the method's loss reads each client's class counts: it reads them plus N(0, "
+                              "counts_noise^2) per class, rounded, at least 0, drawn once (a histogram one sample "
+                              "changes by 1: each history begins with (counts_noise, 1, 1))"}),
                 "mechanism": f"opacus {opacus} DPOptimizer: per-sample gradients clipped to clip, "
                              f"N(0, (noise_multiplier clip)^2) on their sum, divided by samples x sample_rate",
                 "accountant": f"opacus {opacus} RDPAccountant (its default orders), one per client, "

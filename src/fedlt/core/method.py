@@ -139,9 +139,11 @@ class Method:
         sent("*", "scalars", "training statistics: the mean loss, its parts, the steps", meta=True, numbers_only=True),
     )
     # --dp sample (core.dpsgd): True where the local training that shapes what the clients send runs only through
-    # described steps (local_steps) whose loss of one sample reads nothing of the client's other samples; a
-    # subclass that changes a client hook declares it again (dpsgd.declared)
-    dp_sample: bool = False
+    # described steps (local_steps) whose loss of one sample reads nothing of the client's other samples; "counts"
+    # where that loss also reads the client's class counts (data.counts), which DP-SGD then gives it noised once
+    # (--dp-counts-noise, counted in the client's accountant); a subclass that changes a client hook declares it
+    # again (dpsgd.declared)
+    dp_sample: bool | str = False
     # --secagg (core.secagg): True where the rounds' aggregate needs only the num_examples-weighted mean of the
     # replies' floating-point arrays (and each reply's meta, which SecAgg+ leaves in the clear) -- what Flower's
     # SecAgg+ hands the server; a subclass that changes aggregate or sends declares it again (:func:`declared`)
@@ -230,6 +232,9 @@ class Method:
     def local_train(self, payload: Message, cstate: dict, data, gen: torch.Generator) -> tuple[Message, dict]:
         """One client's training of one round. Default: run :meth:`local_steps` here, one client alone, and
         answer with :meth:`local_reply`; a method with a loop of its own overrides this instead."""
+        private = getattr(self, "dpsgd", None)
+        if private is not None:  # --dp sample: a loss that reads the class counts reads them noised (core.dpsgd)
+            data = private.client_data(data)
         steps = self.local_steps(payload, cstate, data)
         if steps is None:
             raise NotImplementedError(f"method {self.name} defines neither local_steps nor local_train")
@@ -294,9 +299,16 @@ def declared(cls: type, flag: str, hooks: tuple[str, ...]) -> bool:
     """Whether method class ``cls`` has the boolean class attribute ``flag``: the nearest class of its MRO that sets
     it says so, unless a class below that one changes one of ``hooks`` (what the flag vouches for) without setting
     it again."""
+    return bool(declaration(cls, flag, hooks))
+
+
+def declaration(cls: type, flag: str, hooks: tuple[str, ...]):
+    """The value of class attribute ``flag`` that vouches for method class ``cls`` (:func:`declared`): the nearest
+    class of its MRO that sets it, or False where a class below that one changes one of ``hooks`` without setting
+    it again (or none sets it)."""
     for klass in cls.__mro__:
         if flag in vars(klass):
-            return bool(vars(klass)[flag])
+            return vars(klass)[flag]
         if any(h in vars(klass) for h in hooks):
             return False
     return False

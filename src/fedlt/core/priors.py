@@ -3,7 +3,8 @@ BSM), FedLC's calibration, FedETF's balanced loss, and the methods that change n
 
 - :func:`prior_counts`: the counts with a policy for the classes the client lacks;
 - :class:`CountLoss`: a mixin for a method whose clients train on ``local_loss(logits, y, counts)``, described as
-  local steps (so its clients can be batched); the counts stay on the client.
+  local steps (so its clients can be batched); the counts stay on the client. Under ``--dp sample`` the loss reads
+  them noised once (``dp_sample = "counts"``, :meth:`fedlt.core.dpsgd.SampleDP.client_data`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ class CountLoss:
     """Mixin for a Method (before it in the bases: ``class FedLC(CountLoss, FedAvg)``) whose clients train the
     whole model on ``local_loss(logits, y, counts)`` instead of cross-entropy, ``counts`` being the client's class
     counts (a float tensor on the run's device, in the step's ``extra``: it never leaves the client)."""
+
+    # --dp sample (core.dpsgd): a sample's loss reads its own logits and label and the client's class counts, which
+    # DP-SGD gives it noised once (--dp-counts-noise); a subclass whose loss reads no counts declares True
+    dp_sample = "counts"
 
     def local_loss(self, logits: torch.Tensor, y: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

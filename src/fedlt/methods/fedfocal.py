@@ -25,6 +25,8 @@ from .fedavg import FedAvg
 
 @METHODS.register("fedfocal")
 class FedFocal(CountLoss, FedAvg):
+    dp_sample = True  # its loss reads no class counts (alpha 1): under --dp sample it needs no noised counts
+
     @dataclass
     class Params:
         gamma: float = setting(2.0, "focusing parameter (0: cross-entropy)", low=0)

@@ -19,6 +19,10 @@ variants:
 Missing classes in BSM: a class absent from the client gets log(1e-12), i.e. it is effectively masked (PFLlib
 uses log 0 = -inf; the FedETF repository clamps counts to 1). The personal head trains with the run's lr and
 momentum (PFLlib and the FedETF repository use no momentum for it; the paper does not say).
+
+Under ``--dp sample`` (not in the paper, which has no DP): pi_k comes from the client's class counts noised once
+(``--dp-counts-noise``, :mod:`fedlt.core.dpsgd`), since the true counts would let one sample move every other
+sample's gradient; the release is counted in the client's accountant.
 """
 from __future__ import annotations
 
@@ -40,6 +44,9 @@ from .fedavg import FedAvg
 @METHODS.register("fedrod")
 class FedRoD(FedAvg):
     personalized = True
+    # --dp sample: a sample's losses (L_G, L_P) read the client's class counts, given noised once (core.dpsgd); the
+    # personal head trains by the same DP-SGD
+    dp_sample = "counts"
 
     @dataclass
     class Params:

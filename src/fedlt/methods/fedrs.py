@@ -32,7 +32,9 @@ alpha                    0.5 (the middle of the released grid       FedRepo's gr
 The paper's full text could not be read here (only its abstract: "limit the update of missing classes'
 weights"); the binary form is the restricted softmax as its abstract and its journal extension (MAP, arXiv
 2404.09232) state it. FedRepo also clips the local gradient norm (``max_grad_norm``); fedlt trains without
-clipping, like every other method of a comparison.
+clipping, like every other method of a comparison. Under ``--dp sample`` (no DP in the paper) the scales come from
+the client's class counts noised once (``--dp-counts-noise``, :mod:`fedlt.core.dpsgd`): a class it lacks may then
+count as held.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def restricted_ce(h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y:
 
 @METHODS.register("fedrs")
 class FedRS(FedAvg):
+    dp_sample = "counts"  # --dp sample: the restricted softmax's scales come from the class counts, given noised once
     @dataclass
     class Params:
         alpha: float = setting(0.5, "scale of the logits of the classes a client lacks (0: masked out, 1: FedAvg "
