@@ -1,5 +1,5 @@
 """--dp-noise-seed: the DP noise from the run's seed (reproducible by whoever knows the seed, which config.json
-records) or from a secret key (fedlt.core.dp.new_key): kept in the checkpoints only, so that a resumed run draws
+records) or from a secret key (fedlt.core.noise.new_key): kept in the checkpoints only, so that a resumed run draws
 the noise the uninterrupted one would, and in no file of a finished run; a Flower SuperNode's DP-SGD noise from a
 key of its own (fedlt.engine.flower.records.node_noise_key), which never leaves it."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("dp_accounting")
 
 from conftest import dies_in_round, small_config  # noqa: E402
-from fedlt.core import dp as dpmod  # noqa: E402
+from fedlt.core import noise as dpmod  # noqa: E402
 from fedlt.errors import ConfigError  # noqa: E402
 from fedlt.runner import rundir  # noqa: E402
 from fedlt.runner.runstate import load_final_state  # noqa: E402

@@ -63,7 +63,7 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from ..errors import ConfigError
-from .dp import NOISE_SEEDS, keyed_seed
+from .noise import NOISE_SEEDS, keyed_seed
 from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_loss, stats_of
 from .training import Meter
 
@@ -332,7 +332,7 @@ class SampleDP:
             return data
         import copy
 
-        from .dp import noise_generator
+        from .noise import noise_generator
 
         counts = np.asarray(data.counts, dtype=np.float64)
         gen = noise_generator(self.key, self.seed, DP_COUNTS, int(data.client_id))

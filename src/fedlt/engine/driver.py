@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from ..config import RunConfig, clients_per_round, lr_at, worker_count
-from ..core.dp import ClientDP, class_means, noise_generator, noise_key
+from ..core.dp import ClientDP, class_means
 from ..core.dpsgd import SampleDP, counts_of, reads_counts
+from ..core.noise import noise_generator, noise_key
 from ..core.method import Message, Method, derive_seed
 from ..core.privacy import sends_check
 from ..core.secagg import SecAgg, largest_client

@@ -108,9 +108,9 @@ NOISE_KEY = "fedlt.dp-noise-key"  # context.state's record, and the file in a --
 def node_noise_key(state: RecordDict, state_dir: str | os.PathLike | None, run: str | int) -> str:
     """This SuperNode's secret DP noise key for fedlt run ``run`` (``--dp-noise-seed secret``): the one its
     ``--state-dir`` keeps for the run (written once, readable by its owner only), else the one ``context.state``
-    keeps (the SuperNode's memory), else a new one (:func:`fedlt.core.dp.new_key`) kept in both. It never leaves the
+    keeps (the SuperNode's memory), else a new one (:func:`fedlt.core.noise.new_key`) kept in both. It never leaves the
     SuperNode; kept, it makes a round run again after a restart draw the noise it drew before."""
-    from ...core.dp import new_key
+    from ...core.noise import new_key
 
     f = Path(state_dir) / f"run-{run}" / NOISE_KEY if state_dir else None
     if f is not None and f.is_file():
