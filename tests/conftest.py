@@ -241,44 +241,108 @@ def resumed_as_uninterrupted(tmp_path, over: dict, n: int = 3) -> tuple[dict, di
 
 
 # ------------------------------------------------------------------------------------------- background jobs
-# The suite runs in one process, and a few tests spend minutes mostly waiting (Flower deployments: a process
-# per message, 3-s polls, 60 s until a dead SuperNode is noticed). A module that defines
-# ``start_background(items, base)`` is handed its collected tests once the session has collected them, and
-# starts their work with :func:`background`; each test then waits for its job's result and checks it. The work is
-# the same as in the test itself: only when it runs changes. (CPU-bound work gains nothing so: tried with the
-# documentation pages' commands, the suite took as long and the tests beside them slowed.)
+# A few tests spend minutes mostly waiting (Flower deployments: a process per message, 3-s polls, 60 s until a dead
+# SuperNode is noticed). A module that defines ``start_background(items, base)`` is handed its collected tests once
+# the session has collected them, and starts their work with :func:`background`; each test then waits for its job's
+# result and checks it. The work is the same as in the test itself: only when it runs changes. (CPU-bound work gains
+# nothing so: tried with the documentation pages' commands, the suite took as long and the tests beside them slowed.)
+#
+# Under xdist (`make test`: two workers, --dist loadfile) every worker collects every test, and the first to claim a
+# module (a file created exclusively in the folder both workers' temporary folders share) starts its jobs at once;
+# a job's result (or error) is written there for whichever worker runs the module's tests, which go last
+# (:data:`LAST`), by when the deployments have long finished beside the other tests. A worker that started jobs
+# waits for them before it ends.
 BACKGROUND: dict[str, Future] = {}
+SHARED: list = []  # [the folder both workers share] under xdist
+
+
+def _shared():
+    return SHARED[0] if SHARED else None
 
 
 def background(jobs: dict) -> None:
     """Start ``jobs`` (name: a function of no arguments), each in a daemon thread of its own; :func:`job_result`
-    gives a job's result (a job started twice runs once)."""
+    gives a job's result (a job started twice runs once). Under xdist each result is also written to the shared
+    folder (``<name>.result``, a pickle of ("ok", value) or ("error", exception)), announced by ``<name>.started``."""
+    import pickle
+
     new = {k: f for k, f in jobs.items() if k not in BACKGROUND}
     for k in new:
         BACKGROUND[k] = Future()
+        if _shared() is not None:
+            (_shared() / f"{k}.started").touch()
 
     def work(k):
         try:
-            BACKGROUND[k].set_result(new[k]())
+            _quiet_first()
+            out = ("ok", new[k]())
+            BACKGROUND[k].set_result(out[1])
         except BaseException as e:  # noqa: BLE001 -- the test re-raises it
+            out = ("error", e)
             BACKGROUND[k].set_exception(e)
+        if _shared() is not None:
+            try:
+                data = pickle.dumps(out)
+            except Exception:  # noqa: BLE001 -- an exception that does not pickle: its text
+                data = pickle.dumps(("error", RuntimeError(repr(out[1]))))
+            tmp = _shared() / f"{k}.result.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, _shared() / f"{k}.result")
 
     for k in new:
         threading.Thread(target=work, args=(k,), name=f"background-{k}", daemon=True).start()
 
 
 def job_result(name: str, fn, timeout: float = 3600):
-    """The result of background job ``name`` (``fn()`` started now if no one started it)."""
+    """The result of background job ``name``: this process's, or (xdist) the other worker's from the shared folder;
+    ``fn()`` started now if no one started it."""
+    import pickle
+    import time
+
+    shared = _shared()
+    if name not in BACKGROUND and shared is not None and (shared / f"{name}.started").exists():
+        end = time.monotonic() + timeout
+        while not (shared / f"{name}.result").exists():
+            assert time.monotonic() < end, f"background job {name} of the other worker gave no result in {timeout} s"
+            time.sleep(0.5)
+        kind, value = pickle.loads((shared / f"{name}.result").read_bytes())
+        if kind == "error":
+            raise value
+        return value
     if name not in BACKGROUND:
         background({name: fn})  # started by hand (a test run alone by its node id still has the session hook)
     return BACKGROUND[name].result(timeout=timeout)
 
 
 _STARTED: set = set()
+# files whose tests must have run before the background jobs start under xdist: a Ray cluster's start times out
+# beside five Flower deployments starting at once (seen: "The current node timed out during startup")
+QUIET_FIRST = ("test_ray.py",)
+_QUIET: dict[str, int] = {}  # such a file: its tests this session has yet to finish (those of the worker that runs it)
+
+
+def _quiet_first(limit: float = 600) -> None:
+    """Under xdist, wait (at most ``limit`` seconds) until every :data:`QUIET_FIRST` file collected has finished,
+    in whichever worker ran it (``<file>.done`` in the shared folder)."""
+    import time
+
+    end = time.monotonic() + limit
+    while _shared() is not None and time.monotonic() < end and \
+            not all((_shared() / f"{name}.done").exists() for name in _QUIET):
+        time.sleep(1)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    name = os.path.basename(location[0])
+    if name in _QUIET and _shared() is not None:
+        _QUIET[name] -= 1
+        if _QUIET[name] == 0:
+            (_shared() / f"{name}.done").touch()
 
 
 def _start_background(session, only=None) -> None:
-    """Hand every module that defines ``start_background`` (or only module ``only``) its collected tests, once."""
+    """Hand every module that defines ``start_background`` (or only module ``only``) its collected tests, once
+    (under xdist: where this worker claims it first)."""
     by_module: dict = {}
     for item in session.items:
         mod = getattr(item, "module", None)
@@ -286,39 +350,54 @@ def _start_background(session, only=None) -> None:
             by_module.setdefault(mod, []).append(item)
     for mod, items in by_module.items():
         _STARTED.add(mod)
-        mod.start_background(items, session.config._tmp_path_factory.mktemp(f"bg-{mod.__name__}", numbered=False))
+        if _shared() is not None:
+            try:
+                os.close(os.open(_shared() / f"{mod.__name__}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue  # the other worker runs its jobs
+            base = _shared() / f"bg-{mod.__name__}"
+            base.mkdir()
+        else:
+            base = session.config._tmp_path_factory.mktemp(f"bg-{mod.__name__}", numbered=False)
+        mod.start_background(items, base)
 
 
-# the files that take longest (mostly waiting: deployments, a Ray cluster; or many runs of a page's commands) go
-# first under xdist (with --no-loadscope-reorder, as `make test` runs it), one to each worker, so that no worker
-# starts one of them when the other has nothing left
-FIRST = ("test_flower_deploy.py", "test_docs_pages.py", "test_ray.py", "test_docs_tutorial.py",
-         "test_flower_simulation.py", "test_secagg.py", "test_docs.py")
+# the files that take longest (a Ray cluster, or many runs of a page's commands) go first under xdist (with
+# --no-loadscope-reorder, as `make test` runs it), one to each worker, so that no worker starts one of them when the
+# other has nothing left; the files whose deployments run in the background from the start go last
+FIRST = ("test_docs_pages.py", "test_ray.py", "test_docs_tutorial.py", "test_flower_simulation.py", "test_docs.py")
+LAST = ("test_secagg.py", "test_flower_deploy.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
     if XDIST:
         rank = {name: i for i, name in enumerate(FIRST)}
+        rank.update({name: len(FIRST) + 1 + i for i, name in enumerate(LAST)})
         items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
 
 
 def pytest_collection_finish(session):
-    # in one process: at once, beside every other test. An xdist worker collects every test but runs the files it
-    # is sent (--dist loadfile: a module's tests all go to one worker), so it starts a module's jobs at the first
-    # test of that module it runs: they then run beside the other worker's tests
-    if not session.config.option.collectonly and not XDIST:
-        _start_background(session)
+    # at once, beside every other test: in one process its jobs; under xdist, each worker the modules it claims
+    if session.config.option.collectonly:
+        return
+    if XDIST:
+        shared = session.config._tmp_path_factory.getbasetemp().parent / "background"  # the workers' common folder
+        shared.mkdir(exist_ok=True)
+        SHARED[:] = [shared]
+        for name in QUIET_FIRST:
+            if n := sum(item.path.name == name for item in session.items):
+                _QUIET[name] = n
+    _start_background(session)
 
 
-def pytest_runtest_setup(item):
-    mod = getattr(item, "module", None)
-    if XDIST and hasattr(mod, "start_background") and mod not in _STARTED:  # the first test of such a module
-        _start_background(item.session, only=mod)
-
-
-def pytest_sessionfinish(session):
-    """Whatever deployment is still up (a session interrupted), down with it."""
+def pytest_sessionfinish(session, exitstatus):
+    """The background jobs this process started, awaited (under xdist the other worker may still need their results;
+    not after an interrupt); whatever deployment is still up (a session interrupted), down with it."""
     import sys
+    from concurrent.futures import wait
+
+    if exitstatus != pytest.ExitCode.INTERRUPTED:
+        wait(list(BACKGROUND.values()), timeout=3600)
 
     fc = sys.modules.get("flowercluster")
     for c in list(getattr(fc, "LIVE", ())):
