@@ -302,3 +302,15 @@ def test_the_counts_noise_has_its_standard_deviation_and_a_release_past_the_budg
     with pytest.raises(ConfigError, match="counts' release alone") as e:
         noise_for(0.5, 1e-5, 0.1, 100, ((3.0, 1.0, 1),))
     assert "\n" not in str(e.value) and "--dp-counts-noise" in str(e.value)
+
+
+def test_a_budget_the_counts_release_alone_spends_stops_before_anything_is_written(tmp_path):
+    from fedlt.errors import ConfigError
+
+    cfg = small_config(**{**DP, "dp_noise": None, "dp_epsilon": 0.5, "dp_counts_noise": 1.0}, method="fedrod",
+                       out=str(tmp_path), name="r")
+    with pytest.raises(ConfigError, match="class counts alone spends") as e:
+        rundir.run(cfg, progress=False, echo=lambda *a: None)
+    assert "\n" not in str(e.value) and "--dp-counts-noise 1" in str(e.value) and not any(tmp_path.iterdir())
+    rundir.run(small_config(**{**DP, "dp_noise": None, "dp_epsilon": 0.5, "rounds": 1, "eval_every": 1},
+                            method="fedavg", out=str(tmp_path), name="a"), progress=False, echo=lambda *a: None)

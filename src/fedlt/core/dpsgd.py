@@ -99,6 +99,22 @@ def counts_of(cfg) -> float:
     return COUNTS_NOISE if value is None else float(value)
 
 
+def check_counts_release(cfg, cls, sizes=None) -> None:
+    """Before a run writes anything: a ``--dp-epsilon`` that the class counts' release alone would spend (a method
+    whose loss reads them, :func:`reads_counts`) is one line. ``delta``: ``--dp-delta``, else the default from the
+    clients' ``sizes`` (not checked here without either: the first client to solve its noise says it)."""
+    if cfg.dp != "sample" or cfg.dp_epsilon is None or not reads_counts(cls):
+        return
+    if cfg.dp_delta is None and sizes is None:
+        return
+    delta = float(cfg.dp_delta) if cfg.dp_delta is not None else default_delta(np.asarray(sizes))
+    s = counts_of(cfg)
+    if (alone := epsilon_of(((s, 1.0, 1),), delta)) >= cfg.dp_epsilon:
+        raise ConfigError(f"--dp-epsilon {cfg.dp_epsilon:g}: the release of each client's class counts alone spends "
+                          f"{alone:.3g} at delta {delta:.3g} (--dp-counts-noise {s:g}); raise --dp-epsilon or "
+                          f"--dp-counts-noise")
+
+
 def reads_counts(cls) -> bool:
     """Whether method class ``cls`` runs under ``--dp sample`` with a loss that reads the client's class counts
     (``dp_sample = "counts"``): its clients' counts are then noised once (:meth:`SampleDP.client_data`)."""

@@ -88,9 +88,10 @@ def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
     cls = method_class(cfg)
     method = cls(spec, cls.make_params(cfg.params, cfg.allow_large))
     if cfg.dp == "sample":  # DP-SGD cannot bound a sample's influence through BatchNorm: one line (core.dpsgd)
-        from ..core.dpsgd import check_model
+        from ..core.dpsgd import check_counts_release, check_model
 
         check_model(method.new_model(), spec.model)
+        check_counts_release(cfg, cls, [len(c) for c in fed.clients])
     if getattr(method, "needs_pool", False):  # the centralized reference trains on all clients' data pooled
         method.pool = fed.pooled()
     return Prepared(cfg, fed, method, spec)

@@ -77,9 +77,10 @@ class FedltStrategy(Strategy):
                               f"federation of SuperNodes does not have; run it with `fedlt run`")
         self.method: Method = cls(self.spec, cls.make_params(cfg.params, cfg.allow_large))
         if cfg.dp == "sample":  # DP-SGD cannot bound a sample's influence through BatchNorm: one line (core.dpsgd)
-            from ...core.dpsgd import check_model
+            from ...core.dpsgd import check_counts_release, check_model
 
             check_model(self.method.new_model(), self.spec.model)
+            check_counts_release(cfg, cls)  # with --dp-delta; else the SuperNode solving its noise says it
         self.job = job_text(cfg, self.spec, self.prep)
         self.transport = GridTransport(self)
         self.driver = Driver(self.method, EngineConfig.of(cfg, progress=False), self.transport, cfg.clients)
