@@ -205,7 +205,7 @@ def test_a_batchnorm_model_is_refused_on_the_command_line_naming_models_that_wor
 
 
 @pytest.mark.parametrize("method, says", [("scaffold", "does not declare"), ("fedrep", "does not declare"),
-                                          ("balancefl", "does not declare"), ("ccvr", "class-counts")])
+                                          ("moon", "does not declare"), ("ccvr", "class-counts")])
 def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
     from fedlt.config import RunConfig, validate
     from fedlt.errors import ConfigError
@@ -217,10 +217,53 @@ def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
         validate(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, method=ok, clients=10))
 
 
-def test_dp_sgd_with_moderate_noise_still_learns():
-    sim, final = run_small("fedavg", **{**DP, "rounds": 8, "eval_every": 8})
-    assert sim.dp.epsilon(8) < 10
+BALANCEFL_DP = {"optimizer": "sgd", "feat_aug": False}  # what balancefl needs under --dp sample
+
+
+@pytest.mark.parametrize("method, params", [("fedavg", {}), ("balancefl", BALANCEFL_DP)])
+def test_dp_sgd_with_moderate_noise_still_learns(method, params):
+    sim, final = run_small(method, params, **{**DP, "rounds": 8, "eval_every": 8})
+    assert sim.dp.epsilon(8) < 10 + 2 * (method == "balancefl")  # its counts' release (S 5) counted too
     assert final_gm(final)["acc"] > 0.3  # chance: 0.1
+
+
+def test_balancefl_under_dp_sgd_balances_by_loss_weights_from_noised_counts_and_each_sample_is_its_own():
+    """BalanceFL's DP-SGD form (methods/balancefl.py): the class-balanced sampler becomes per-sample loss weights
+    that give each of the client's classes the same total (n / K, the sampler's expected gradient), a class whose
+    noised count is under dp_present x S is one the client lacks (distilled, not smoothed), and the per-sample
+    gradients of its loss (frozen teacher, weights, restricted softmax) are autograd's on each sample alone. Its
+    paper's Adam and feature augmentation are refused in one line."""
+    from fedlt.config import RunConfig, validate
+    from fedlt.errors import ConfigError
+
+    for bad, says in (({}, "--set optimizer=sgd --set feat_aug=false"), ({**BALANCEFL_DP, "class_sets": "batch"},
+                                                                       "class_sets=batch")):
+        with pytest.raises(ConfigError, match=says) as e:
+            validate(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, method="balancefl", clients=10, params=bad))
+        assert "\n" not in str(e.value)
+    validate(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, method="balancefl", clients=10, params=BALANCEFL_DP))
+
+    m, data = _client("balancefl", {**BALANCEFL_DP, "restrict_softmax": True})
+    m.dpsgd = SampleDP(1.0, 1.0, None, 1e-5, [[1]], lambda: [len(data)], counts_noise=5.0)
+    noised = copy.copy(data)  # counts as the noise may leave them: three classes under 2 S = 10, one at 0
+    noised.counts = np.array([60, 31, 17, 10, 9, 4, 0, 12, 25, 40], dtype=np.float64)
+    steps = m.local_steps(m.configure(m.init_server(), 1, 1), {}, noised)
+    present, w = steps.extra["present"] > 0, steps.extra["weight"]
+    assert present.tolist() == [c >= 10 for c in noised.counts]
+    given = w * torch.as_tensor(np.maximum(noised.counts, 10), dtype=torch.float32)
+    assert torch.allclose(given, torch.full_like(given, len(data) / 7))  # each class: n / K, K = 7
+
+    steps.weights = {k: v + 0.05 for k, v in steps.weights.items()}  # the student away from the teacher
+    run = StepRun(m, steps)
+    x, y = data.sample_batch(torch.arange(6), None, train=False)
+    grads, _ = per_sample_grads(m, steps, run, [])({k: run.live[k].detach() for k in run.groups}, x, y)
+    for i in range(6):
+        loss, _ = steps.loss(run.view, x[i:i + 1], y[i:i + 1], run.extra)
+        own = torch.autograd.grad(loss, [run.live[k] for k in run.groups])
+        for k, g in zip(run.groups, own):  # to float rounding at the gradient's scale (a weight up to 3.7 in it)
+            gap, scale = float((grads[k][i] - g).abs().max()), float(g.abs().max())
+            assert gap <= 1e-5 * scale + 1e-7, (k, gap, scale)
+    assert all(float(grads[k][0].norm()) > 0 for k in run.groups)
 
 
 def test_the_budget_stops_before_the_round_whose_worst_client_would_pass_it(tmp_path):

@@ -6,6 +6,7 @@ declarations."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -221,7 +222,7 @@ def test_privacy_page_has_every_method():
 @pytest.mark.parametrize("mode", ["client", "sample"])
 def test_list_says_of_every_method_what_dp_then_accepts(capsys, mode):
     """`fedlt list METHOD`'s DP line is what --dp MODE does with the method: "yes" exactly where the configuration
-    is not refused for DP's sake."""
+    (with the parameters the line says it needs, ``--set K=V``) is not refused for DP's sake."""
     from fedlt.cli import main
     from fedlt.config import RunConfig, validate
     from fedlt.errors import ConfigError
@@ -230,7 +231,8 @@ def test_list_says_of_every_method_what_dp_then_accepts(capsys, mode):
         assert main(["list", name]) == 0
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"{mode}-level DP"))
         try:
-            validate(RunConfig(method=name, dp=mode, dp_clip=1.0, dp_noise=1.0, clients=10))
+            needs = dict(x.split("=", 1) for x in re.findall(r"--set (\S+=\S+)", line))
+            validate(RunConfig(method=name, dp=mode, dp_clip=1.0, dp_noise=1.0, clients=10, params=needs))
             refused = False
         except ConfigError as e:
             refused = "--dp" in str(e)

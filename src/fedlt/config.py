@@ -456,10 +456,12 @@ def validate(cfg: RunConfig, base: dict | None = None) -> None:
     check_values(cfg, allow_large=cfg.allow_large)
     if cfg.data_dir and not Path(cfg.data_dir).is_dir():  # that folder or an error, whatever the dataset
         raise ConfigError(data_dir_problem(cfg.dataset, cfg.data_dir))
-    method_class(cfg).make_params(cfg.params, cfg.allow_large)
+    params = method_class(cfg).make_params(cfg.params, cfg.allow_large)
     check_lt_settings(cfg.dataset, cfg.lt_profile or default_lt_profile(cfg.dataset, cfg.partition, cfg.partition_file),
                       cfg.partition, cfg.partition_file)
     check_relations(cfg, RELATIONS, base)
+    if cfg.dp == "sample" and (why := method_class(cfg).dp_sample_refusal(params)):
+        raise ConfigError(f"--dp sample: {why}")
     part = PARTITIONS.get(cfg.partition)
     if hasattr(part, "check_args"):  # the partitioner made once with its arguments: a bad one fails here
         part.check_args(cfg.clients, cfg.seed, cfg.partition_args)

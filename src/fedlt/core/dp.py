@@ -202,10 +202,11 @@ def verdict(cls, level: str) -> str:
             "yes, its clients send only the model update (clipped and noised)"
     from .dpsgd import reads_counts
 
+    needs = f", {cls.dp_sample_needs}" if getattr(cls, "dp_sample_needs", "") else ""
     if reads_counts(cls):
         return ("yes, its described local steps run as DP-SGD, its loss reading the client's class counts noised once "
-                "(--dp-counts-noise, counted in the client's accountant)")
-    return "yes, its described local steps run as DP-SGD"
+                f"(--dp-counts-noise, counted in the client's accountant){needs}")
+    return f"yes, its described local steps run as DP-SGD{needs}"
 
 
 def class_means(sends) -> tuple[str, ...]:

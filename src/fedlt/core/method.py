@@ -144,10 +144,18 @@ class Method:
     # (--dp-counts-noise, counted in the client's accountant); a subclass that changes a client hook declares it
     # again (dpsgd.declared)
     dp_sample: bool | str = False
+    # --dp sample: what else it needs, in words for ``fedlt list`` ("" where nothing); :meth:`dp_sample_refusal` checks
+    dp_sample_needs: str = ""
     # --secagg (core.secagg): True where the rounds' aggregate needs only the num_examples-weighted mean of the
     # replies' floating-point arrays (and each reply's meta, which SecAgg+ leaves in the clear) -- what Flower's
     # SecAgg+ hands the server; a subclass that changes aggregate or sends declares it again (:func:`declared`)
     secagg: bool = False
+
+    @classmethod
+    def dp_sample_refusal(cls, params) -> str:
+        """Under --dp sample, why these parameters ask for local training other than the declared DP-SGD-able one
+        and what to set instead ("" where they do not): the run refuses it in one line (``fedlt.config``)."""
+        return ""
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

@@ -37,6 +37,20 @@ Paper vs. official code (official repository sxontheway/BalanceFL, read at commi
   default here is a fresh optimiser every round, like every other method. The code also uses weight decay
   1e-4 (set --weight-decay 1e-4); the paper states none.
 - The code runs the teacher in train mode (BN batch statistics); here it runs in eval mode.
+
+Under ``--dp sample`` (DP-SGD, ``fedlt.core.dpsgd``; neither the paper's nor the code's): the client's steps are
+described (:meth:`BalanceFL.local_steps`) and run as DP-SGD, the run's SGD on Poisson batches, each sample's loss
+alone clipped. What reads more than one sample is replaced or refused:
+- the class counts (C_pos, C_neg, the balancing) are the client's counts noised once (``--dp-counts-noise`` S,
+  counted in its accountant); a class is the client's when its noised count m~_c reaches ``dp_present`` x S
+  (2 S: an absent class passes with probability 2.3 %, where ``m~_c > 0`` would pass half of them);
+- class-balanced sampling (Eq. 5) becomes Poisson sampling with each sample's loss weighted by
+  ``n / (K max(m~_c, dp_present S, 1))`` (K: the client's classes), whose expected gradient is the balanced
+  sampler's before clipping (the clip then caps what the weight can give a rare sample);
+- the smoothing term, a batch *sum*, is each sample's own times the batch size (the same expected gradient);
+- Adam, the feature augmentation (a covariance of every local sample's features) and ``class_sets=batch`` (the
+  other samples of the batch) have no DP-SGD form here: ``optimizer=sgd`` and ``feat_aug=false`` are required,
+  ``class_sets=batch`` refused, each in one line before the run.
 """
 from __future__ import annotations
 
@@ -49,6 +63,7 @@ from ..core import Message, Method, load_weights, make_optimizer, weights_of
 from ..core.losses import masked_logits
 from ..core.retrain import local_features
 from ..core.sampling import class_balanced_batches
+from ..core.steps import LocalSteps, strip
 from ..core.training import Meter
 from ..decl import setting
 from ..registry import METHODS
@@ -91,6 +106,10 @@ def ki_loss(student: torch.Tensor, teacher: torch.Tensor, absent: torch.Tensor, 
 @METHODS.register("balancefl")
 class BalanceFL(Method):
     fp16 = False  # a training loop of its own, without fp16's gradient scaler (bf16 and fp32 only)
+    # --dp sample: the described steps of local_steps (module doc), the class counts noised once
+    dp_sample = "counts"
+    dp_sample_needs = ("with --set optimizer=sgd --set feat_aug=false (Poisson batches; class-balanced sampling as "
+                       "per-sample loss weights)")
 
     @dataclass
     class Params:
@@ -107,10 +126,21 @@ class BalanceFL(Method):
                                  choices=("adam", "sgd"))
         adam_lr: float = setting(0.005, "the Adam optimizer's lr", low=0, low_open=True)
         keep_optimizer_state: bool = setting(False, "official code: each client keeps its Adam moments across rounds")
+        dp_present: float = setting(2.0, "--dp sample: a class is the client's when its noised count reaches this "
+                                         "many --dp-counts-noise standard deviations", low=0)
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)
         self._teacher = None
+
+    @classmethod
+    def dp_sample_refusal(cls, p):
+        if p.optimizer != "sgd" or p.feat_aug:
+            return ("balancefl's Adam and its feature augmentation (a covariance of every local sample's features) have "
+                    "no DP-SGD form here; add --set optimizer=sgd --set feat_aug=false")
+        if p.class_sets == "batch":
+            return "balancefl's class_sets=batch reads the other samples of a batch, which DP-SGD cannot; drop it"
+        return ""
 
     def optimizer(self, params, lr):
         if self.p.optimizer == "sgd":
@@ -126,7 +156,39 @@ class BalanceFL(Method):
                 order = torch.randperm(len(data.y), generator=gen, device="cpu")
                 yield from order.split(self.spec.batch_size)
 
+    def local_steps(self, payload, cstate, data):
+        """--dp sample only (the module doc): Eq. 10 on one sample, the balancing as loss weights, from the noised
+        counts that ``data`` carries there."""
+        p = self.p
+        counts = torch.as_tensor(data.counts, dtype=torch.float32, device=self.spec.device)
+        floor = p.dp_present * self.dpsgd.counts_noise
+        present = counts >= max(floor, 1.0)  # a class of noised count 0 is never the client's
+        weight = torch.ones_like(counts)
+        if p.balanced_sampling:
+            weight = len(data) / (max(int(present.sum()), 1) * counts.clamp_min(max(floor, 1.0)))
+        teacher = {f"teacher.{k}": v for k, v in payload.arrays.items()}  # the received global model, frozen
+        return LocalSteps(payload.arrays, self.dp_step,
+                          extra={"present": present.float(), "weight": weight, **teacher})
+
+    def dp_step(self, model, x, y, extra):
+        p, pos = self.p, extra["present"] > 0
+        with torch.no_grad():
+            t_logits = model.frozen(strip(extra, "teacher."))(x)
+        logits = model(x)
+        logits_sm = logits
+        if p.restrict_softmax:  # over C_pos and the sample's own class (whose noised count may miss the floor)
+            own = torch.arange(logits.shape[1], device=y.device) == y[:, None]
+            logits_sm = logits.masked_fill(~(pos | own), -1e10)
+        ce = (F.cross_entropy(logits_sm, y, reduction="none") * extra["weight"].gather(0, y)).mean()
+        ki = ki_loss(logits, t_logits, ~pos, p.ki_temperature, p.restrict_softmax)
+        q = F.softmax(logits_sm, 1)
+        neg_entropy = (q * F.log_softmax(logits_sm, 1) * pos).sum(1).mean() * self.spec.batch_size  # a batch's sum
+        loss = ce + p.ki_weight * ki + p.smooth_weight * neg_entropy
+        return loss, {"ce": ce, "ki": ki}
+
     def local_train(self, payload, cstate, data, gen):
+        if getattr(self, "dpsgd", None) is not None:  # --dp sample: local_steps, as DP-SGD
+            return super().local_train(payload, cstate, data, gen)
         p, C = self.p, self.spec.num_classes
         net = self.net
         load_weights(net, payload.arrays)
