@@ -22,7 +22,7 @@ from opacus.accountants import RDPAccountant  # noqa: E402
 
 from conftest import final_gm, run_small, small_config  # noqa: E402
 from fedlt.core.dpsgd import SampleDP, batches_per_epoch, epsilon_of, noise_for, per_sample_grads  # noqa: E402
-from fedlt.core.steps import LocalSteps, StepRun, Train, ce  # noqa: E402
+from fedlt.core.steps import LocalSteps, StepRun, Train, ce, split_loss  # noqa: E402
 from fedlt.runner import rundir  # noqa: E402
 
 DP = dict(dp="sample", dp_clip=1.0, dp_noise=1.0, rounds=3, eval_every=3, threads=1)
@@ -87,20 +87,44 @@ def _client(method: str = "fedavg", params=None, **over):
     return pr.method, pr.fed.clients[1]
 
 
-def test_per_sample_gradients_are_each_samples_own_proximal_term_included():
-    m, data = _client("fedprox", {"mu": 0.5})
-    steps = m.local_steps(m.configure(m.init_server(), 1, 1), {}, data)
-    steps.weights = {k: v + 0.05 for k, v in steps.weights.items()}  # away from the anchor: the term counts
+def _needs(name: str) -> dict:
+    """The parameters ``fedlt list NAME``'s sample-level line says the method needs (``--set K=V``)."""
+    import re
+
+    from fedlt.core.dp import verdict
+    from fedlt.registry import METHODS
+
+    return dict(x.split("=", 1) for x in re.findall(r"--set (\\S+=\\S+)", verdict(METHODS.get(name), "sample")))
+
+
+def _sample_methods() -> list[str]:
+    from fedlt.config import dp_sample_methods
+
+    return dp_sample_methods()
+
+
+@pytest.mark.parametrize("name", _sample_methods())
+def test_per_sample_gradients_are_each_samples_own_for_every_method_dp_sgd_runs(name):
+    """For every method that declares --dp sample: the vectorised per-sample gradients of its described loss are
+    autograd's on each sample alone, with every extra it reads (a proximal anchor, a teacher, noised counts, a
+    personal head), its weights moved off what it received so that terms against it count."""
+    params = {**_needs(name), **({"mu": 0.5} if name == "fedprox" else {})}
+    m, data = _client(name, params)
+    m.dpsgd = SampleDP(1.0, 1.0, None, 1e-5, [[1]], lambda: [len(data)], counts_noise=5.0)
+    steps = m.local_steps(m.configure(m.init_server(), 1, 1), m.init_client(1, data), m.dpsgd.client_data(data))
+    steps.weights = {k: v + 0.05 if v.is_floating_point() else v for k, v in steps.weights.items()}
     run = StepRun(m, steps)
     x, y = data.sample_batch(torch.arange(6), None, train=False)
     grads, _ = per_sample_grads(m, steps, run, [])({k: run.live[k].detach() for k in run.groups}, x, y)
     names = list(run.groups)
     for i in range(6):
-        loss = steps.loss(run.view, x[i:i + 1], y[i:i + 1], run.extra)
-        own = torch.autograd.grad(loss, [run.live[k] for k in names])
-        for k, g in zip(names, own):
-            assert torch.allclose(grads[k][i], g, rtol=1e-4, atol=1e-6), (k, float((grads[k][i] - g).abs().max()))
-    assert all(float(grads[k][0].norm()) > 0 for k in names)
+        loss, _ = split_loss(steps.loss(run.view, x[i:i + 1], y[i:i + 1], run.extra))
+        own = torch.autograd.grad(loss, [run.live[k] for k in names], allow_unused=True)
+        for k, g in zip(names, own):  # to float rounding at the gradient's scale (vmap's convolutions are grouped
+            g = torch.zeros_like(grads[k][i]) if g is None else g  # ones: measured up to 2.2e-4 of it)
+            gap, scale = float((grads[k][i] - g).abs().max()), float(g.abs().max())
+            assert gap <= 1e-3 * scale + 1e-7, (k, gap, scale)
+    assert any(float(grads[k][0].norm()) > 0 for k in names)
 
 
 def _one_sample(data, i=0):
@@ -227,12 +251,11 @@ def test_dp_sgd_with_moderate_noise_still_learns(method, params):
     assert final_gm(final)["acc"] > 0.3  # chance: 0.1
 
 
-def test_balancefl_under_dp_sgd_balances_by_loss_weights_from_noised_counts_and_each_sample_is_its_own():
+def test_balancefl_under_dp_sgd_balances_by_loss_weights_from_noised_counts():
     """BalanceFL's DP-SGD form (methods/balancefl.py): the class-balanced sampler becomes per-sample loss weights
-    that give each of the client's classes the same total (n / K, the sampler's expected gradient), a class whose
-    noised count is under dp_present x S is one the client lacks (distilled, not smoothed), and the per-sample
-    gradients of its loss (frozen teacher, weights, restricted softmax) are autograd's on each sample alone. Its
-    paper's Adam and feature augmentation are refused in one line."""
+    that give each of the client's classes the same total (n / K, the sampler's expected gradient), and a class
+    whose noised count is under dp_present x S is one the client lacks (distilled, not smoothed). Its paper's Adam
+    and feature augmentation are refused in one line."""
     from fedlt.config import RunConfig, validate
     from fedlt.errors import ConfigError
 
@@ -253,17 +276,6 @@ def test_balancefl_under_dp_sgd_balances_by_loss_weights_from_noised_counts_and_
     given = w * torch.as_tensor(np.maximum(noised.counts, 10), dtype=torch.float32)
     assert torch.allclose(given, torch.full_like(given, len(data) / 7))  # each class: n / K, K = 7
 
-    steps.weights = {k: v + 0.05 for k, v in steps.weights.items()}  # the student away from the teacher
-    run = StepRun(m, steps)
-    x, y = data.sample_batch(torch.arange(6), None, train=False)
-    grads, _ = per_sample_grads(m, steps, run, [])({k: run.live[k].detach() for k in run.groups}, x, y)
-    for i in range(6):
-        loss, _ = steps.loss(run.view, x[i:i + 1], y[i:i + 1], run.extra)
-        own = torch.autograd.grad(loss, [run.live[k] for k in run.groups])
-        for k, g in zip(run.groups, own):  # to float rounding at the gradient's scale (a weight up to 3.7 in it)
-            gap, scale = float((grads[k][i] - g).abs().max()), float(g.abs().max())
-            assert gap <= 1e-5 * scale + 1e-7, (k, gap, scale)
-    assert all(float(grads[k][0].norm()) > 0 for k in run.groups)
 
 
 def test_the_budget_stops_before_the_round_whose_worst_client_would_pass_it(tmp_path):

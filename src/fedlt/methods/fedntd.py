@@ -51,6 +51,9 @@ def ntd_loss(logits, teacher_logits, y, tau: float = 1.0, beta: float = 1.0) -> 
 
 @METHODS.register("fedntd")
 class FedNTD(FedAvg):
+    # --dp sample: a sample's loss reads the sample and the received model only (core.dpsgd)
+    dp_sample = True
+
     @dataclass
     class Params:
         tau: float = setting(1.0, "distillation temperature", low=0, low_open=True)
