@@ -152,17 +152,20 @@ SAMPLE = dict(dp="sample", dp_clip=1.0, dp_epsilon=6.0, clients=4, participation
               local_epochs=1, threads=1)
 
 
-@pytest.mark.parametrize("case", ["fedavg-secagg", "fedloge", "fedrod"])
+@pytest.mark.parametrize("case", ["fedavg-secagg", "fedloge", "fedrod", "balancefl"])
 def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accountant_leave(tmp_path, case):
     """Each SuperNode solves its own noise for the target epsilon (the server's delta, its rounds in the schedule),
     trains by DP-SGD and sends its model, its size and its accountant's entries; the server's accountants give the
     simulator's epsilons, table and model bit for bit (FedLoGe: its phases and personal heads too; FedAvg through
     SecAgg+, each update weighted by its client's size; FedRoD: its loss on the client's class counts noised once, the
-    release first in each accountant, which the server counted from the first reply's entries). Describe sends the
+    release first in each accountant, which the server counted from the first reply's entries; BalanceFL: the same
+    through its own local_train, which hands DP-SGD its described steps). Describe sends the
     client's size and no label counts; the per-sample gradient norms stay on the clients."""
     pytest.importorskip("opacus")
     over = dict(SAMPLE, method=case) if case != "fedavg-secagg" else \
         dict(SAMPLE, method="fedavg", secagg=True, participation=1.0)
+    if case == "balancefl":
+        over["params"] = {"optimizer": "sgd", "feat_aug": False}
     sim = rundir.run(small_config(**over, out=str(tmp_path), name="sim"), progress=False, **QUIET)
     st, grid, fl = run_inprocess(small_config(**over, out=str(tmp_path), name="fl"), **QUIET)
     ref = load_final_state(tmp_path / "sim")["state"]
@@ -175,7 +178,7 @@ def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accou
     assert a == b and fl["dp"] == sim["dp"] and _timeless(fl["final"]) == _timeless(sim["final"])
     _sent_beside(tmp_path / "sim", tmp_path / "fl", "dp_history")  # the accountant entries left them too
     assert fl["dp"]["epsilon"] <= 6.0 and len({c["noise_multiplier"] for c in fl["dp"]["clients"].values()}) > 1
-    if case == "fedrod":  # every accountant begins with the counts' release, once
+    if case in ("fedrod", "balancefl"):  # every accountant begins with the counts' release, once
         assert all([h[:2] for h in c["history"]].count([5.0, 1.0]) == 1 and c["history"][0] == [5.0, 1.0, 1]
                    for c in fl["dp"]["clients"].values())
     for m in grid.replied:
