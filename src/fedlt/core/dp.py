@@ -72,11 +72,10 @@ import torch
 
 from ..errors import ConfigError
 from .noise import NOISE_SEEDS
-from .privacy import CLASS_MEAN, ROUNDS, UPDATE
+from .privacy import ANY, CLASS_MEAN, MODEL, ROUNDS, UPDATE
 
 # integer RDP orders (fractional ones make dp-accounting's series fail to converge at large sampling rates)
 ORDERS = tuple(range(2, 256)) + (256, 512, 1024)
-ALLOWED = ("model", "size", "scalars")  # what a client sends that --dp client covers (the update) or drops
 STATS_CLIP = 1.0  # --dp-stats-clip's default: the norm a client's class-mean arrays are clipped to
 
 
@@ -153,15 +152,20 @@ def update_noise(noise: float, count_noise: float | None = None, releases: int =
     return rest * math.sqrt(releases)
 
 
+def covered(s) -> bool:
+    """Whether DP covers a declared item without a mechanism of its own: in the rounds the model's entries (the
+    update, clipped and noised, or trained by DP-SGD); anywhere its size and its training statistics ("*"), which
+    are not sent under DP. A named scalar (FedNova's step weight, CLIMB's loss) or an array of another name (SCAFFOLD's
+    control-variate change) is something the server reads, which DP would drop or not clip."""
+    return (s.category == "size" or (s.category == "scalars" and s.name == ANY)
+            or (s.category == "model" and s.name == MODEL and s.when == ROUNDS))
+
+
 def unprotected(sends, level: str = "client") -> list[str]:
     """What a method's clients send (its ``sends`` declaration) that the guarantee of ``--dp level`` would not
-    cover: in the rounds, every declared item of another category than the model, its size and its statistics
-    (the update is clipped and noised, the rest is not sent), except, for ``client``, what it declares privatised
-    (``Sent.dp``); in a post-training phase, everything but its size and statistics (which are not sent under DP:
-    :meth:`ClientDP.phase_side`)."""
+    cover (:func:`covered`), except, for ``client``, what it declares privatised in the rounds (``Sent.dp``)."""
     return [f"{s.name} ({s.category}{', phase ' + s.when if s.when != 'rounds' else ''})" for s in sends
-            if (s.category not in ALLOWED or (s.when != ROUNDS and s.category == "model"))
-            and not (level == "client" and s.dp and s.when == ROUNDS)]
+            if not covered(s) and not (level == "client" and s.dp and s.when == ROUNDS)]
 
 
 def privatised(sends) -> list[str]:
