@@ -47,7 +47,8 @@ alone clipped. What reads more than one sample is replaced or refused:
 - class-balanced sampling (Eq. 5) becomes Poisson sampling with each sample's loss weighted by
   ``n / (K max(m~_c, dp_present S, 1))`` (K: the client's classes), whose expected gradient is the balanced
   sampler's before clipping (the clip then caps what the weight can give a rare sample);
-- the smoothing term, a batch *sum*, is each sample's own times the batch size (the same expected gradient);
+- the smoothing term, a batch *sum*, is each sample's own times the expected batch size ``n / L`` (DP-SGD averages
+  the clipped gradients over it: the same expected gradient);
 - Adam, the feature augmentation (a covariance of every local sample's features) and ``class_sets=batch`` (the
   other samples of the batch) have no DP-SGD form here: ``optimizer=sgd`` and ``feat_aug=false`` are required,
   ``class_sets=batch`` refused, each in one line before the run.
@@ -63,6 +64,7 @@ from ..core import Message, Method, load_weights, make_optimizer, weights_of
 from ..core.losses import masked_logits
 from ..core.retrain import local_features
 from ..core.sampling import class_balanced_batches
+from ..core.dpsgd import batches_per_epoch
 from ..core.steps import LocalSteps, strip
 from ..core.training import Meter
 from ..decl import setting
@@ -167,8 +169,10 @@ class BalanceFL(Method):
         if p.balanced_sampling:
             weight = len(data) / (max(int(present.sum()), 1) * counts.clamp_min(max(floor, 1.0)))
         teacher = {f"teacher.{k}": v for k, v in payload.arrays.items()}  # the received global model, frozen
-        return LocalSteps(payload.arrays, self.dp_step,
-                          extra={"present": present.float(), "weight": weight, **teacher})
+        batch = len(data) / batches_per_epoch(len(data), self.spec.batch_size)  # DP-SGD's expected batch size
+        return LocalSteps(payload.arrays, self.dp_step, extra={
+            "present": present.float(), "weight": weight, "batch": torch.tensor(batch, device=counts.device),
+            **teacher})
 
     def dp_step(self, model, x, y, extra):
         p, pos = self.p, extra["present"] > 0
@@ -182,7 +186,7 @@ class BalanceFL(Method):
         ce = (F.cross_entropy(logits_sm, y, reduction="none") * extra["weight"].gather(0, y)).mean()
         ki = ki_loss(logits, t_logits, ~pos, p.ki_temperature, p.restrict_softmax)
         q = F.softmax(logits_sm, 1)
-        neg_entropy = (q * F.log_softmax(logits_sm, 1) * pos).sum(1).mean() * self.spec.batch_size  # a batch's sum
+        neg_entropy = (q * F.log_softmax(logits_sm, 1) * pos).sum(1).mean() * extra["batch"]  # a batch's sum
         loss = ce + p.ki_weight * ki + p.smooth_weight * neg_entropy
         return loss, {"ce": ce, "ki": ki}
 
