@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-SETTINGS = ("nodp", "eps8", "eps2", "eps2fixed")
+SETTINGS = ("nodp", "eps8", "eps8fixed", "eps2", "eps2fixed")
 
 
 def headline(last3: dict, side: str, mode: str | None) -> dict:
