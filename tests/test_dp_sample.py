@@ -251,7 +251,7 @@ def test_dp_sgd_with_moderate_noise_still_learns(method, params):
     assert final_gm(final)["acc"] > 0.3  # chance: 0.1
 
 
-def test_balancefl_under_dp_sgd_balances_by_loss_weights_from_noised_counts():
+def test_balancefl_under_dp_sgd_balances_by_loss_weights_from_noised_counts(tmp_path):
     """BalanceFL's DP-SGD form (methods/balancefl.py): the class-balanced sampler becomes per-sample loss weights
     that give each of the client's classes the same total (n / K, the sampler's expected gradient), and a class
     whose noised count is under dp_present x S is one the client lacks (distilled, not smoothed). Its paper's Adam
@@ -265,6 +265,10 @@ def test_balancefl_under_dp_sgd_balances_by_loss_weights_from_noised_counts():
             validate(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, method="balancefl", clients=10, params=bad))
         assert "\n" not in str(e.value)
     validate(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, method="balancefl", clients=10, params=BALANCEFL_DP))
+    with pytest.raises(ConfigError, match="feat_aug=false"):  # a RunConfig run from Python, not validated
+        rundir.run(small_config(**DP, method="balancefl", out=str(tmp_path), name="r"), progress=False,
+                   echo=lambda *a: None)
+    assert not any(tmp_path.iterdir())
 
     m, data = _client("balancefl", {**BALANCEFL_DP, "restrict_softmax": True})
     m.dpsgd = SampleDP(1.0, 1.0, None, 1e-5, [[1]], lambda: [len(data)], counts_noise=5.0)

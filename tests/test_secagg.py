@@ -82,8 +82,9 @@ def test_an_update_that_is_not_finite_is_left_out_and_too_few_left_halt_the_roun
 def test_a_method_runs_under_secagg_only_where_its_server_needs_only_the_mean():
     from fedlt.registry import METHODS
 
-    assert all(runs_under(METHODS.get(n)) for n in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedbn", "fedper"))
-    assert not any(runs_under(METHODS.get(n)) for n in ("scaffold", "fedexp", "ccvr", "fedloge", "fednova", "fedbabu"))
+    assert all(runs_under(METHODS.get(n)) for n in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedbn", "fedper",
+                                                    "fedloge", "balancefl", "feddr+", "dr"))
+    assert not any(runs_under(METHODS.get(n)) for n in ("scaffold", "fedexp", "ccvr", "creff", "fednova", "fedbabu"))
 
     class Reweighted(METHODS.get("fedavg")):  # changes the aggregation without saying it again: not inherited
         def aggregate(self, state, rnd, replies):
@@ -176,11 +177,13 @@ def _inprocess(tmp, name, fault=None, **over):
     return st, grid, summary, lines
 
 
-def test_flowers_secagg_in_process_gives_the_simulators_numbers_and_masks_every_update(tmp_path):
+@pytest.mark.parametrize("method", ["fedavg", "fedloge"])
+def test_flowers_secagg_in_process_gives_the_simulators_numbers_and_masks_every_update(tmp_path, method):
     """Two rounds of 4 clients through SecAggPlusWorkflow and secaggplus_mod: the simulator's weights, bit for
     bit (the stochastic rounding draws from the run seed on both); the server receives no array of a client's
-    in a training round, only its weight and meta in the clear; evaluation stays as it was."""
-    over = dict(clients=4, rounds=2, eval_every=2, secagg=True)
+    in a training round, only its weight and meta in the clear; evaluation stays as it was. FedLoGe: its
+    backbone and global head through SecAgg+, its personal heads never leaving the clients."""
+    over = dict(clients=4, rounds=2, eval_every=2, secagg=True, method=method)
     st, grid, summary, _ = _inprocess(tmp_path, "f", **over)
     sim, _ = _simulate(tmp_path, **over)
     assert _weights_diff(st.state.weights, sim.state.weights) == 0.0
@@ -195,7 +198,8 @@ def test_flowers_secagg_in_process_gives_the_simulators_numbers_and_masks_every_
                                                  "has-state"}
     meta = json.loads(str(clear[0]["fedlt.meta"]))  # the method's meta, as the simulator's replies carry it
     assert {"num_examples", "loss"} <= set(meta) and isinstance(meta["num_examples"], int)
-    assert summary["missing"] == {} and [m.metadata.message_type for m in grid.replied].count("evaluate") == 4
+    evaluations = {"fedavg": 4, "fedloge": 8}[method]  # as without --secagg (FedLoGe: two queries per client)
+    assert summary["missing"] == {} and [m.metadata.message_type for m in grid.replied].count("evaluate") == evaluations
 
 
 def test_a_client_that_drops_out_of_a_round_is_unmasked_away_and_the_round_aggregates_the_rest(tmp_path):

@@ -108,6 +108,7 @@ def ki_loss(student: torch.Tensor, teacher: torch.Tensor, absent: torch.Tensor, 
 @METHODS.register("balancefl")
 class BalanceFL(Method):
     fp16 = False  # a training loop of its own, without fp16's gradient scaler (bf16 and fp32 only)
+    secagg = True  # its server is FedAvg's weighted mean (--secagg: core.secagg)
     # --dp sample: the described steps of local_steps (module doc), the class counts noised once
     dp_sample = "counts"
     dp_sample_needs = ("with --set optimizer=sgd --set feat_aug=false (Poisson batches; class-balanced sampling as "

@@ -68,6 +68,7 @@ def feddr_loss(h: torch.Tensor, h_g: torch.Tensor | None, V: torch.Tensor, y: to
 @METHODS.register("feddr+")
 class FedDrPlus(Method):
     personalized = True
+    secagg = True  # its server is FedAvg's weighted mean (--secagg: core.secagg)
 
     @dataclass
     class Params:

@@ -118,6 +118,8 @@ class FedLoGe(Method):
     # --dp sample: stage 1 is described steps, each sample's three cross-entropies against the server's SSE-C, psi
     # and phi_k (trained by the same DP-SGD); the phases send only a count
     dp_sample = True
+    # --secagg (core.secagg): its server takes the num_examples-weighted mean of theta and psi, and notes who replied
+    secagg = True
 
     @dataclass
     class Params:

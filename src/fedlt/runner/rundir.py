@@ -92,6 +92,8 @@ def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
 
         check_model(method.new_model(), spec.model)
         check_counts_release(cfg, cls, [len(c) for c in fed.clients])
+        if why := cls.dp_sample_refusal(method.p):  # as the command line's validation (a RunConfig built in Python)
+            raise ConfigError(f"--dp sample: {why}")
     if getattr(method, "needs_pool", False):  # the centralized reference trains on all clients' data pooled
         method.pool = fed.pooled()
     return Prepared(cfg, fed, method, spec)
