@@ -51,6 +51,24 @@ def test_secure_mean_is_within_its_error_bound_of_the_weighted_mean_and_seeded()
     assert big[0][0] == pytest.approx(1.0, abs=1e-5) and big[0][1] == pytest.approx(-0.5, abs=1e-5)
 
 
+def test_a_scalar_entry_is_aggregated_like_the_others():
+    """A 0-d floating-point entry (a learnable temperature, FedETF's beta) goes through SecAgg+ as a vector of
+    one: Flower's unmasking adds its offsets in place, which a numpy scalar would silently skip (a mean off by
+    the clients' offsets)."""
+    from fedlt.core.method import Message
+    from fedlt.core.secagg import SecAgg
+
+    base = {"beta": torch.tensor(1.0), "w": torch.zeros(4)}
+    sent = {c: {"beta": torch.tensor(1.0 + 0.1 * c), "w": torch.full((4,), 0.01 * c)} for c in range(3)}
+    replies = [(c, Message(a, {"num_examples": 10 * (c + 1)})) for c, a in sent.items()]
+    got, why = SecAgg(None, None, 8.0, 2 ** 22, None, False).simulate({c: Message(base) for c in sent}, replies, 30,
+                                                                      lambda c: c)
+    exact = sum(10 * (c + 1) * (1.0 + 0.1 * c) for c in sent) / 60
+    assert why == {} and all(r.arrays["beta"].shape == () for _, r in got)
+    assert float(got[0][1].arrays["beta"]) == pytest.approx(exact, abs=1e-5)
+    assert float(got[0][1].arrays["w"][0]) == pytest.approx(sum(10 * (c + 1) * 0.01 * c for c in sent) / 60, abs=1e-5)
+
+
 def test_an_update_that_is_not_finite_is_left_out_and_too_few_left_halt_the_round():
     """A diverged client's update (NaN) would be quantised into a wrong finite number: its SuperNode refuses to
     mask it (an error reply: SecAgg+ goes on without it), the simulator leaves it out alike; below the threshold
@@ -83,7 +101,7 @@ def test_a_method_runs_under_secagg_only_where_its_server_needs_only_the_mean():
     from fedlt.registry import METHODS
 
     assert all(runs_under(METHODS.get(n)) for n in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedbn", "fedper",
-                                                    "fedloge", "balancefl", "feddr+", "dr"))
+                                                    "fedloge", "balancefl", "feddr+", "dr", "fedetf"))
     assert not any(runs_under(METHODS.get(n)) for n in ("scaffold", "fedexp", "ccvr", "creff", "fednova", "fedbabu"))
 
     class Reweighted(METHODS.get("fedavg")):  # changes the aggregation without saying it again: not inherited
@@ -177,12 +195,13 @@ def _inprocess(tmp, name, fault=None, **over):
     return st, grid, summary, lines
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedloge"])
+@pytest.mark.parametrize("method", ["fedavg", "fedloge", "fedetf"])
 def test_flowers_secagg_in_process_gives_the_simulators_numbers_and_masks_every_update(tmp_path, method):
     """Two rounds of 4 clients through SecAggPlusWorkflow and secaggplus_mod: the simulator's weights, bit for
     bit (the stochastic rounding draws from the run seed on both); the server receives no array of a client's
     in a training round, only its weight and meta in the clear; evaluation stays as it was. FedLoGe: its
-    backbone and global head through SecAgg+, its personal heads never leaving the clients."""
+    backbone and global head through SecAgg+, its personal heads never leaving the clients; FedETF: its scalar
+    temperature beta too (a 0-d entry)."""
     over = dict(clients=4, rounds=2, eval_every=2, secagg=True, method=method)
     st, grid, summary, _ = _inprocess(tmp_path, "f", **over)
     sim, _ = _simulate(tmp_path, **over)
@@ -198,7 +217,7 @@ def test_flowers_secagg_in_process_gives_the_simulators_numbers_and_masks_every_
                                                  "has-state"}
     meta = json.loads(str(clear[0]["fedlt.meta"]))  # the method's meta, as the simulator's replies carry it
     assert {"num_examples", "loss"} <= set(meta) and isinstance(meta["num_examples"], int)
-    evaluations = {"fedavg": 4, "fedloge": 8}[method]  # as without --secagg (FedLoGe: two queries per client)
+    evaluations = {"fedavg": 4, "fedloge": 8, "fedetf": 12}[method]  # as without --secagg (queries a client: 1, 2, 3)
     assert summary["missing"] == {} and [m.metadata.message_type for m in grid.replied].count("evaluate") == evaluations
 
 

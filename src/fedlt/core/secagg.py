@@ -172,8 +172,10 @@ def not_finite(update: dict[str, torch.Tensor], who: str) -> str | None:
 
 
 def vector(update: dict[str, torch.Tensor], keys: list[str]) -> list[np.ndarray]:
-    """An update as the list of numpy arrays SecAgg+ masks (Flower's legacy ``Parameters``), in ``keys`` order."""
-    return [update[k].detach().cpu().numpy() for k in keys]
+    """An update as the list of numpy arrays SecAgg+ masks (Flower's legacy ``Parameters``), in ``keys`` order; a
+    0-d entry as an array of one (Flower's unmasking adds its offsets in place, which a numpy scalar would skip;
+    :func:`replies_with_mean` gives it its shape back)."""
+    return [np.atleast_1d(update[k].detach().cpu().numpy()) for k in keys]
 
 
 @contextmanager

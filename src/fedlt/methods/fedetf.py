@@ -106,6 +106,7 @@ def frozen_feature_batches(body: nn.Module, data, batch_size: int):
 @METHODS.register("fedetf")
 class FedETF(Method):
     personalized = True
+    secagg = True  # its server is FedAvg's weighted mean of the backbone, projection and beta (--secagg: core.secagg)
 
     @dataclass
     class Params:
