@@ -56,6 +56,41 @@ def test_the_replies_mean_is_the_noised_sum_over_the_fixed_denominator():
     assert abs(float(noise.mean())) < 0.01
 
 
+def _tensors(tree, at=""):
+    """Every tensor of a state tree, by its path."""
+    if isinstance(tree, torch.Tensor):
+        return {at: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _tensors(sub, f"{at}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in _tensors(sub, f"{at}/{i}").items()}
+    return {}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedloge", "balancefl", "ditto", "fedrod", "creff", "redgrape"])
+def test_zero_noise_and_an_unreachable_clip_give_the_run_without_dp_bit_for_bit(tmp_path, method):
+    """The methods of the tail page (docs/dp-tail.md): with noise 0 and a clip no update reaches, every client
+    sampled (participation 1: Poisson at rate 1) and clients of one size (DP's uniform weights are then the
+    sample weights), --dp client's round -- clipping, the sum over the fixed denominator, the privatised class
+    statistics (CReFF's and RedGrape's noised per-class means, their counts' noise 0 too) -- is the run without
+    DP's, every tensor of the server's state bit for bit (CReFF's and RedGrape's statistics with their own clip,
+    --dp-stats-clip, out of reach too)."""
+    from fedlt.runner.runstate import load_final_state
+
+    base = dict(method=method, imbalance_ratio=1.0, partition="iid", clients=4, participation=1.0, rounds=1,
+                eval_every=1, local_epochs=1, threads=1, out=str(tmp_path))
+    assert len({len(c) for c in rundir.federation_for(small_config(**base)).clients}) == 1  # one size
+    unreachable = dict(dp="client", dp_clip=1e9, dp_noise=0.0,
+                       **({"dp_stats_clip": 1e9} if method in ("creff", "redgrape") else {}))  # their statistics' clip
+    for name, extra in (("plain", {}), ("dp", unreachable)):
+        rundir.run(small_config(**base, name=name, **extra), progress=False, echo=lambda *a: None)
+    a, b = (_tensors(load_final_state(tmp_path / n)["state"]) for n in ("plain", "dp"))
+    assert a.keys() == b.keys() and "/weights/head.bias" in a or "/weights/head.fixed.bias" in a
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+    w0 = rundir.prepare(small_config(**base), rundir.federation_for(small_config(**base))).method.init_server()
+    assert any(not torch.equal(a[f"/weights/{k}"], v) for k, v in w0.weights.items())  # it trained
+
+
 def _eps_by_hand(z, q, rounds, delta):
     import dp_accounting as dpa
     from dp_accounting import rdp
