@@ -23,6 +23,10 @@ Paper vs. official code (alpaemreacar/FedDyn, ``utils_methods.py``):
   uses weight decay 1e-3 and gradient clipping in local training: training-setup choices, not the method.
 - The linear term is applied as the gradient of <-g_k, theta> (the same update; the logged loss is the
   cross-entropy alone).
+
+Under ``--dp sample`` (DP-SGD, ``fedlt.core.dpsgd``) each sample's loss carries the whole regulariser, clipped with
+its cross-entropy (as FedProx's proximal term): on average the regulariser's gradient still counts once a step,
+but clipping shortens it with the rest.
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core import Message, Predictor, load_weights, train_local, weighted_average, weights_of
+from ..core import Message, Predictor, load_weights, weighted_average
+from ..core.steps import LocalSteps
 from ..core.server_opt import ParamKeys
 from ..decl import setting
 from ..registry import METHODS
@@ -40,6 +45,9 @@ from .fedavg import FedAvg
 
 @METHODS.register("feddyn")
 class FedDyn(ParamKeys, FedAvg):
+    # --dp sample: a sample's loss reads it, the received model and the client's own g_k (core.dpsgd); g_k's update
+    # after training is post-processing of the DP-SGD-trained model
+    dp_sample = True
     @dataclass
     class Params:
         alpha: float = setting(0.01, "strength of the dynamic regulariser", low=0, low_open=True)
@@ -79,24 +87,22 @@ class FedDyn(ParamKeys, FedAvg):
                 "average": Predictor(self._avg_net.backbone, self._avg_net.head)}
 
     # ------------------------------------------------------------------ client
-    def local_train(self, payload, cstate, data, gen):
-        net, keys = self.net, self.param_keys
-        load_weights(net, payload.arrays)
-        anchor = {k: payload.arrays[k] for k in keys}
-        g = cstate.get("g") or self._zeros(anchor)
-        a = self.p.alpha
-        params = dict(net.named_parameters())
-        ce_sum = torch.zeros((), device=self.spec.device)
+    def local_steps(self, payload, cstate, data):
+        keys = self.param_keys
+        g = cstate.get("g") or self._zeros(payload.arrays)
+        extra = {**{f"anchor.{k}": payload.arrays[k] for k in keys}, **{f"g.{k}": g[k] for k in keys}}
+        return LocalSteps(payload.arrays, self.dyn_loss, extra=extra)
 
-        def loss_fn(model, x, y):
-            nonlocal ce_sum
-            ce = F.cross_entropy(model(x), y)
-            ce_sum = ce_sum + ce.detach()
-            reg = sum((-(params[k] * g[k]).sum() + 0.5 * a * ((params[k] - anchor[k]) ** 2).sum()) for k in keys)
-            return ce + reg
+    def dyn_loss(self, model, x, y, extra):
+        """CE - <g_k, theta> + alpha/2 ||theta - theta^{t-1}||^2; the cross-entropy alone reported as the loss."""
+        ce = F.cross_entropy(model(x), y)
+        a, p = self.p.alpha, model.params
+        reg = sum((-(p[k] * extra[f"g.{k}"]).sum() + 0.5 * a * ((p[k] - extra[f"anchor.{k}"]) ** 2).sum())
+                  for k in self.param_keys)
+        return ce + reg, {"loss": ce}
 
-        stats = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
-        new = weights_of(net)
-        g = {k: g[k] - a * (new[k] - anchor[k]) for k in keys}
-        meta = {"num_examples": len(data), "loss": float(ce_sum) / max(stats["steps"], 1), "steps": stats["steps"]}
-        return Message(new, meta), {**cstate, "g": g}
+    def local_reply(self, payload, cstate, data, out):
+        keys, a = self.param_keys, self.p.alpha
+        g = cstate.get("g") or self._zeros(payload.arrays)
+        g = {k: g[k] - a * (out.weights[k] - payload.arrays[k]) for k in keys}
+        return Message(out.weights, {"num_examples": len(data), **out.stats}), {**cstate, "g": g}
