@@ -229,7 +229,7 @@ def test_a_batchnorm_model_is_refused_on_the_command_line_naming_models_that_wor
 
 
 @pytest.mark.parametrize("method, says", [("scaffold", "dc/"), ("fedrep", "does not declare"),
-                                          ("moon", "does not declare"), ("ccvr", "class-counts")])
+                                          ("perfedavg", "does not declare"), ("ccvr", "class-counts")])
 def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
     from fedlt.config import RunConfig, validate
     from fedlt.errors import ConfigError

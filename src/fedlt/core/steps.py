@@ -15,7 +15,7 @@ A description names:
   parts (a part named ``loss`` is reported as the loss; otherwise the scalar is). ``model`` is a
   :class:`StepModel`: ``model(x)``, ``model.backbone(x)``, ``model.head(h)``, ``model.params`` (the trainable
   model parameters by name) and ``model.frozen(weights)(x)`` (the same architecture in eval mode with other
-  weights, e.g. a distillation teacher). ``extra`` holds the client's own tensors (a personal head, class
+  weights, e.g. a distillation teacher; ``model.frozen(weights, "backbone")(x)``: its features). ``extra`` holds the client's own tensors (a personal head, class
   counts, an anchor): everything the loss reads that differs between clients must come through ``extra``,
   never through a closure, so that one loss function serves every client of a batch;
 - ``train``: which tensors train, by name prefix (model parameters like ``backbone.`` / ``head.`` and keys of
@@ -151,9 +151,12 @@ class StepModel:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self._call(self._net.head, "head.", h)
 
-    def frozen(self, weights: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x -> logits`` of the same architecture in eval mode with ``weights`` (e.g. a teacher's)."""
-        return lambda x: functional_call(self._frozen, weights, (x,))
+    def frozen(self, weights: dict[str, torch.Tensor], part: str = "") -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> logits`` of the same architecture in eval mode with ``weights`` (e.g. a teacher's); ``part``
+        "backbone": ``x -> features`` of its backbone (``weights`` the whole model's)."""
+        if not part:
+            return lambda x: functional_call(self._frozen, weights, (x,))
+        return lambda x: functional_call(getattr(self._frozen, part), strip(weights, f"{part}."), (x,))
 
 
 def ce(model: StepModel, x: torch.Tensor, y: torch.Tensor, extra: dict) -> torch.Tensor:

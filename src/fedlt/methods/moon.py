@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core import Message, derive_seed, load_weights, train_local, weights_of
+from ..core import Message, derive_seed
 from ..core.personal import initial_weights
+from ..core.steps import LocalSteps, strip
 from ..decl import setting
 from ..models import Model
 from ..registry import METHODS
@@ -66,6 +67,10 @@ def model_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.
 
 @METHODS.register("moon")
 class MOON(FedAvg):
+    # --dp sample: a sample's loss reads it, the received model and the client's previous model, itself trained by
+    # DP-SGD (core.dpsgd)
+    dp_sample = True
+
     @dataclass
     class Params:
         mu: float = setting(5.0, "weight of the model-contrastive loss", low=0)
@@ -73,10 +78,6 @@ class MOON(FedAvg):
         projection: str = setting("mlp", "mlp (paper, official: 2-layer projection head) | none (PFLlib / "
                                          "LongTailLib)", choices=("mlp", "none"))
         out_dim: int = setting(256, "output dimension of the projection head", low=1, limit=10**5)
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        self._teachers: list[Model] | None = None
 
     def new_model(self) -> Model:
         base = super().new_model()
@@ -92,29 +93,21 @@ class MOON(FedAvg):
     def init_client(self, cid, data):
         return {"prev": initial_weights(self)}
 
-    def local_train(self, payload, cstate, data, gen):
-        net = self.net
-        load_weights(net, payload.arrays)
-        if self._teachers is None:
-            self._teachers = [self.new_model().requires_grad_(False) for _ in range(2)]
-        glob, prev = self._teachers
-        load_weights(glob, payload.arrays)
-        load_weights(prev, cstate["prev"])
-        glob.eval()
-        prev.eval()
-        mu, tau = self.p.mu, self.p.tau
-        ce_sum = torch.zeros((), device=self.spec.device)
+    def local_steps(self, payload, cstate, data):
+        """E epochs of SGD on CE + mu l_con, the received (global) and the client's previous model frozen."""
+        extra = {**{f"glob.{k}": v for k, v in payload.arrays.items()},
+                 **{f"prev.{k}": v for k, v in cstate["prev"].items()}}
+        return LocalSteps(payload.arrays, self.moon_loss, extra=extra)
 
-        def loss_fn(model, x, y):
-            nonlocal ce_sum
-            z = model.backbone(x)
-            ce = F.cross_entropy(model.head(z), y)
-            ce_sum = ce_sum + ce.detach()
-            with torch.no_grad():
-                zg, zp = glob.backbone(x), prev.backbone(x)
-            return ce + mu * model_contrastive_loss(z, zg, zp, tau).mean()
+    def moon_loss(self, model, x, y, extra):
+        """CE + mu l_con of the batch (its mean); the cross-entropy alone reported as the loss."""
+        z = model.backbone(x)
+        ce = F.cross_entropy(model.head(z), y)
+        with torch.no_grad():
+            zg = model.frozen(strip(extra, "glob."), "backbone")(x)
+            zp = model.frozen(strip(extra, "prev."), "backbone")(x)
+        return ce + self.p.mu * model_contrastive_loss(z, zg, zp, self.p.tau).mean(), {"loss": ce}
 
-        stats = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
-        new = weights_of(net)
-        meta = {"num_examples": len(data), "loss": float(ce_sum) / max(stats["steps"], 1), "steps": stats["steps"]}
-        return Message(new, meta), {**cstate, "prev": {k: v.clone() for k, v in new.items()}}
+    def local_reply(self, payload, cstate, data, out):
+        meta = {"num_examples": len(data), **out.stats}
+        return Message(out.weights, meta), {**cstate, "prev": {k: v.clone() for k, v in out.weights.items()}}
