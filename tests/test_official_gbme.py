@@ -169,3 +169,9 @@ def test_personal_models_that_output_non_finite_values_are_counted_and_said_once
     monkeypatch.setattr(metrics, "head_logits", real)
     _, final = small("ditto", rounds=2, eval_every=2, local_epochs=1)
     assert "nonfinite" not in final["personal"]["personal"]
+    # FedLoGe's personal heads give -inf to the classes a client lacks (mask_absent): by design, not divergence
+    _, final = small("fedloge", rounds=2, eval_every=2, local_epochs=1)
+    assert not any("nonfinite" in rep for rep in final["personal"].values()), final["personal"].keys()
+    inf = float("inf")
+    assert not metrics.diverged(torch.tensor([[1.0, -inf], [-inf, 2.0]]))
+    assert all(metrics.diverged(torch.tensor(t)) for t in ([[1.0, float("nan")]], [[inf, 0.0]], [[0.0, 1.0], [-inf, -inf]]))

@@ -97,6 +97,14 @@ def client_split(counts, split_mode: str, gsplit: dict[str, np.ndarray]) -> dict
     return shot_split(counts, "fedloge") if split_mode == "fedloge" else gsplit
 
 
+def diverged(logits: torch.Tensor) -> bool:
+    """Whether a model's logits say its training diverged: NaN or +inf anywhere, or a sample with no finite logit.
+    A logit of -inf alone is a class the model rules out by design (FedLoGe's personal heads give it to the classes
+    a client lacks, ``mask_absent``)."""
+    return bool(torch.isnan(logits).any() or torch.isposinf(logits).any() or
+                (~torch.isfinite(logits)).all(dim=-1).any())
+
+
 def client_reports(pp, client, num_classes: int, csplit: dict[str, np.ndarray], shared=None) -> dict[str, dict]:
     """One client's :func:`report` for every personal inference mode of ``pp`` on its own test set.
     ``shared``: the global backbone's test-set features (reused by heads with ``shared_backbone``). The Flower
@@ -110,7 +118,7 @@ def client_reports(pp, client, num_classes: int, csplit: dict[str, np.ndarray], 
             f, y = features(pred.backbone, client.test_batches())
         logits = head_logits(pred.head, f)
         out[mode] = report(predicted(logits, f), y, num_classes, csplit)
-        if logits is not None and not bool(torch.isfinite(logits).all()):  # a personal model whose training diverged
+        if logits is not None and diverged(logits):  # a personal model whose training diverged
             out[mode]["nonfinite"] = True
     return out
 
