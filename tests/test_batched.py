@@ -115,10 +115,10 @@ def test_client_parallel_setting_picks_batched_only_where_it_can():
     assert client_parallel_chunk("auto", method("fedavg")) == 0  # a CPU gains nothing from vmap
     assert client_parallel_chunk("4", method("fedavg")) == 4
     assert client_parallel_chunk("off", method("fedloge")) == 0
-    assert client_parallel_chunk("4", method("scaffold")) == 0  # a loop of its own
+    assert client_parallel_chunk("4", method("fedrep")) == 0  # a loop of its own (two stages)
     assert client_parallel_chunk("4", method("fedavg", precision="fp16")) == 0  # the gradient scaler
     assert {"fedavg", "fedprox", "fedloge", "fedfocal", "fedlc", "fedavg-bsm", "fedntd", "fedrod",
-            "fedbabu"} <= set(BATCHING)
+            "fedbabu", "feddyn", "moon", "scaffold"} <= set(BATCHING)
 
 
 def _max_diff(a: Simulation, b: Simulation) -> float:

@@ -228,7 +228,7 @@ def test_a_batchnorm_model_is_refused_on_the_command_line_naming_models_that_wor
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("method, says", [("scaffold", "dc/"), ("fedrep", "does not declare"),
+@pytest.mark.parametrize("method, says", [("fednova", "a_norm"), ("fedrep", "does not declare"),
                                           ("perfedavg", "does not declare"), ("ccvr", "class-counts")])
 def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
     from fedlt.config import RunConfig, validate
@@ -242,6 +242,24 @@ def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
 
 
 BALANCEFL_DP = {"optimizer": "sgd", "feat_aug": False}  # what balancefl needs under --dp sample
+
+
+def test_scaffold_runs_dp_sgd_with_its_control_variates_derived_and_option_i_is_refused(tmp_path):
+    """SCAFFOLD under --dp sample: its Delta c_i, computed from the DP-SGD-trained model, leaves beside it (the
+    server keeps c the mean of the client variates), K being DP-SGD's steps; option I's full gradient over the
+    local data is refused in one line."""
+    from fedlt.config import RunConfig, validate
+    from fedlt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="option=II") as e:
+        validate(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, method="scaffold", clients=10,
+                           params={"option": "I"}))
+    assert "\n" not in str(e.value)
+    sim, _ = run_small("scaffold", **{**DP, "rounds": 2, "eval_every": 2})
+    steps = {int(c): row["steps"] for c, row in sim.dp.table(2)["clients"].items()}
+    c = sim.state.c
+    assert any(float(v.abs().max()) > 0 for v in c.values())  # the clients' variates reached the server
+    assert all(s % 2 == 0 and s > 0 for s in steps.values())  # 2 epochs of L Poisson steps each
 
 
 @pytest.mark.parametrize("method, params", [("fedavg", {}), ("balancefl", BALANCEFL_DP)])

@@ -72,7 +72,7 @@ import torch
 
 from ..errors import ConfigError
 from .noise import NOISE_SEEDS
-from .privacy import ANY, CLASS_MEAN, MODEL, ROUNDS, UPDATE
+from .privacy import ANY, CLASS_MEAN, CLIENT_MECHANISMS, DERIVED, MODEL, ROUNDS, UPDATE
 
 # integer RDP orders (fractional ones make dp-accounting's series fail to converge at large sampling rates)
 ORDERS = tuple(range(2, 256)) + (256, 512, 1024)
@@ -163,15 +163,17 @@ def covered(s) -> bool:
 
 def unprotected(sends, level: str = "client") -> list[str]:
     """What a method's clients send (its ``sends`` declaration) that the guarantee of ``--dp level`` would not
-    cover (:func:`covered`), except, for ``client``, what it declares privatised in the rounds (``Sent.dp``)."""
+    cover (:func:`covered`), except what it declares privatised in the rounds (``Sent.dp``): for ``client`` an
+    update or class-mean mechanism, for ``sample`` an array derived from the model DP-SGD trained."""
+    mechanisms = CLIENT_MECHANISMS if level == "client" else (DERIVED,)
     return [f"{s.name} ({s.category}{', phase ' + s.when if s.when != 'rounds' else ''})" for s in sends
-            if not covered(s) and not (level == "client" and s.dp and s.when == ROUNDS)]
+            if not covered(s) and not (s.dp in mechanisms and s.when == ROUNDS)]
 
 
 def privatised(sends) -> list[str]:
     """What a method's clients send beside the model that ``--dp client`` privatises (``Sent.dp``), with how."""
     how = {UPDATE: "clipped and noised with it", CLASS_MEAN: "as noised per-class means"}
-    return [f"{s.name} ({s.category}, {how[s.dp]})" for s in sends if s.dp and s.when == ROUNDS]
+    return [f"{s.name} ({s.category}, {how[s.dp]})" for s in sends if s.dp in how and s.when == ROUNDS]
 
 
 def refusal(cls, level: str) -> tuple[str, list[str]] | None:
@@ -207,6 +209,9 @@ def verdict(cls, level: str) -> str:
     from .dpsgd import reads_counts
 
     needs = f", {cls.dp_sample_needs}" if getattr(cls, "dp_sample_needs", "") else ""
+    derived = [f"{s.name} ({s.category})" for s in getattr(cls, "sends", ()) if s.dp == DERIVED and s.when == ROUNDS]
+    if derived:
+        needs = f", and {', '.join(derived)} is computed from the model they train{needs}"
     if reads_counts(cls):
         return ("yes, its described local steps run as DP-SGD, its loss reading the client's class counts noised once "
                 f"(--dp-counts-noise, counted in the client's accountant){needs}")

@@ -55,9 +55,15 @@ UPDATE = "update"  # an entry the client received and sends back, which the serv
 CLASS_MEAN = "class-mean"  # per-class arrays PREFIX.* keyed by the class ids PREFIX.classes, of which the server
 #                    needs, per class, the mean over the clients that hold it (core.classgrad.mean_class_grads):
 #                    clipped on the client, the per-class sums and counts noised on the server
+# what covers a declared item under --dp sample (fedlt.core.dpsgd), besides the model's entries:
+DERIVED = "derived"  # computed on the client from the model DP-SGD trained, what it received and its own earlier such
+#                    arrays (SCAFFOLD's control-variate change): post-processing of DP-SGD's output
 DP_MECHANISMS = {UPDATE: "clipped and noised with the model update",
                  CLASS_MEAN: "noised per-class means: clipped on the client, their per-class sums and the count of "
-                             "clients holding each class noised on the server"}
+                             "clients holding each class noised on the server",
+                 DERIVED: "--dp sample: computed from the model DP-SGD trained and what the client received "
+                          "(post-processing)"}
+CLIENT_MECHANISMS = (UPDATE, CLASS_MEAN)  # --dp client's; DERIVED is --dp sample's
 DOC = "docs/privacy.md"
 
 
@@ -67,8 +73,8 @@ class Sent:
     entry of the model's state dict) or of a meta key (``meta``); its ``category`` (:data:`CATEGORIES`) and in
     words ``what`` it is; ``when``: ``"rounds"`` (the training rounds), a post-training phase's name, or ``"*"``;
     ``numbers_only``: a meta pattern that matches only numbers (int, float, bool: losses and their parts); ``dp``:
-    the mechanism that privatises it under ``--dp client`` where its category alone would be refused
-    (:data:`DP_MECHANISMS`; the training rounds' arrays only)."""
+    the mechanism that privatises it under ``--dp client``, or (``derived``) covers it under ``--dp sample``, where
+    its category alone would be refused (:data:`DP_MECHANISMS`; the training rounds' arrays only)."""
 
     name: str
     category: str

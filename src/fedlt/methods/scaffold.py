@@ -29,6 +29,11 @@ TsingZ0/PFLlib):
 - K is the number of local mini-batch steps actually taken (epochs x batches), as PFLlib; FL-bench reads its
   local-epoch setting as K steps.
 - Default eta_g = 1 (the paper's experiments, the FedNTD and FedExP codes).
+
+Under ``--dp sample`` (DP-SGD, ``fedlt.core.dpsgd``; option II only): each sample's loss carries the correction
+term, clipped with its cross-entropy, and K is DP-SGD's steps (L Poisson batches an epoch, an empty one a step of
+noise alone); Delta c_i, computed from the trained model, is post-processing. Under ``--dp client`` SCAFFOLD is
+refused: Delta c_i is not an update of anything the client received, so it cannot be clipped and noised with it.
 """
 from __future__ import annotations
 
@@ -37,8 +42,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core import Message, Meter, load_weights, train_local, weighted_average, weights_of
-from ..core.privacy import sent
+from ..core import Message, load_weights, weighted_average
+from ..core.steps import LocalSteps
+from ..core.privacy import DERIVED, sent
 from ..core.server_opt import ParamKeys, pseudo_gradient, server_step
 from ..core.training import effective_steps
 from ..decl import setting
@@ -63,10 +69,20 @@ class Scaffold(ParamKeys, FedAvg):
     class State(FedAvg.State):
         c: dict[str, torch.Tensor] | None = None  # the server control variate (one tensor per trainable parameter)
 
+    # --dp sample: a sample's loss reads it, the received model and the correction c - c_i (core.dpsgd); Delta c_i
+    # is computed from the DP-SGD-trained model, x, c and c_i (post-processing, dp=DERIVED); option I's full
+    # gradient reads every local sample and is refused
+    dp_sample = True
+
     sends = FedAvg.sends + (
         sent(C_UP + "*", "model", "Delta c_i: the change of its control variate, one per trainable parameter (a "
-             "model-sized update)"),
+             "model-sized update)", dp=DERIVED),
     )
+
+    @classmethod
+    def dp_sample_refusal(cls, p):
+        return ("scaffold's option I computes c_i+ as the full gradient over every local sample, which DP-SGD does "
+                "not cover; use --set option=II") if p.option == "I" else ""
 
     def _zeros(self, weights) -> dict[str, torch.Tensor]:
         return {k: torch.zeros_like(weights[k]) for k in self.param_keys}
@@ -97,33 +113,36 @@ class Scaffold(ParamKeys, FedAvg):
         return state
 
     # ------------------------------------------------------------------ client
-    def local_train(self, payload, cstate, data, gen):
-        net, keys = self.net, self.param_keys
+    def local_steps(self, payload, cstate, data):
+        """K local steps on CE + <y, c - c_i> (the correction as a linear term); option I's c_i+ (the full local
+        gradient at x) computed first and carried as a constant extra."""
+        keys = self.param_keys
         x = {k: v for k, v in payload.arrays.items() if not k.startswith(C_DOWN)}
+        ci = cstate.get("c") or self._zeros(x)
+        extra = {f"corr.{k}": payload.arrays[C_DOWN + k] - ci[k] for k in keys}
+        if self.p.option == "I":
+            load_weights(self.net, x)
+            extra.update({f"cnew.{k}": v for k, v in self._full_gradient(data).items()})
+        return LocalSteps(x, self.corrected_loss, extra=extra)
+
+    def corrected_loss(self, model, x, y, extra):
+        ce = F.cross_entropy(model(x), y)
+        return ce + sum((model.params[k] * extra[f"corr.{k}"]).sum() for k in self.param_keys), {"loss": ce}
+
+    def local_reply(self, payload, cstate, data, out):
+        keys = self.param_keys
+        x, y = {k: v for k, v in payload.arrays.items() if not k.startswith(C_DOWN)}, out.weights
         c = {k: payload.arrays[C_DOWN + k] for k in keys}
-        load_weights(net, x)
         ci = cstate.get("c") or self._zeros(x)
         if self.p.option == "I":
-            ci_new = self._full_gradient(data)
-        correction = {k: c[k] - ci[k] for k in keys}
-        params = dict(net.named_parameters())
-        ces = Meter()  # the CE part alone (the reported loss)
-
-        def loss_fn(model, xb, yb):
-            ce = F.cross_entropy(model(xb), yb)
-            ces.add(ce)
-            return ce + sum((params[k] * correction[k]).sum() for k in keys)
-
-        stats = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
-        y = weights_of(net)
-        if self.p.option == "II":
-            K = stats["steps"]
+            ci_new = {k: out.extra[f"cnew.{k}"] for k in keys}
+        else:
+            K = out.stats["steps"]
             rho = self.spec.momentum if self.p.momentum_corrected else 0.0
             denom = effective_steps(K, rho) * self.round_lr(payload)
             ci_new = {k: ci[k] - c[k] + (x[k] - y[k]) / denom for k in keys} if K else dict(ci)
         dc = {C_UP + k: ci_new[k] - ci[k] for k in keys}
-        meta = {"num_examples": len(data), "loss": ces.mean(), "steps": stats["steps"]}
-        return Message({**y, **dc}, meta), {**cstate, "c": ci_new}
+        return Message({**y, **dc}, {"num_examples": len(data), **out.stats}), {**cstate, "c": ci_new}
 
     def _full_gradient(self, data) -> dict[str, torch.Tensor]:
         """Option I: grad f_i(x), the mean cross-entropy gradient over the whole local set at the received x."""
