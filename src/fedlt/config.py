@@ -843,6 +843,12 @@ RELATIONS: list[Relation] = [
              when=lambda c: c.dp != "off", others=("method",),
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"},
                   {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "ccvr"})),
+    requires("dp", lambda c: dp_refusal(c)[0] != "server",
+             lambda c: f"--dp client noises only the mean of the clipped updates, and in method {c.method} "
+                       f"{dp_refusal(c)[1][0]}; choose a method whose server takes their mean (fedavg, fedprox, "
+                       f"fedavgm, fedadam), or --dp sample",
+             when=lambda c: c.dp == "client", others=("method",),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "gbme"},)),
     requires("dp", lambda c: dp_refusal(c)[0] != "undeclared",
              lambda c: f"--dp sample runs DP-SGD in a method's described local steps whose loss of one sample reads no "
                        f"other sample, and method {c.method} does not declare that (Method.dp_sample: its local "

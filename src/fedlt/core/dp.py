@@ -152,13 +152,15 @@ def update_noise(noise: float, count_noise: float | None = None, releases: int =
     return rest * math.sqrt(releases)
 
 
-def covered(s) -> bool:
+def covered(s, level: str = "client") -> bool:
     """Whether DP covers a declared item without a mechanism of its own: in the rounds the model's entries (the
-    update, clipped and noised, or trained by DP-SGD); anywhere its size and its training statistics ("*"), which
-    are not sent under DP. A named scalar (FedNova's step weight, CLIMB's loss) or an array of another name (SCAFFOLD's
+    update, clipped and noised, or trained by DP-SGD) and, under ``--dp sample``, a meta value that returns what the
+    server sent (``echo``: it rides beside the model); anywhere its size and its training statistics ("*"), which are
+    not sent under DP. A named scalar (FedNova's step weight, CLIMB's loss) or an array of another name (SCAFFOLD's
     control-variate change) is something the server reads, which DP would drop or not clip."""
     return (s.category == "size" or (s.category == "scalars" and s.name == ANY)
-            or (s.category == "model" and s.name == MODEL and s.when == ROUNDS))
+            or (s.category == "model" and s.name == MODEL and s.when == ROUNDS)
+            or (level == "sample" and s.category == "echo" and s.meta and s.when == ROUNDS))
 
 
 def unprotected(sends, level: str = "client") -> list[str]:
@@ -167,7 +169,7 @@ def unprotected(sends, level: str = "client") -> list[str]:
     update or class-mean mechanism, for ``sample`` an array derived from the model DP-SGD trained."""
     mechanisms = CLIENT_MECHANISMS if level == "client" else (DERIVED,)
     return [f"{s.name} ({s.category}{', phase ' + s.when if s.when != 'rounds' else ''})" for s in sends
-            if not covered(s) and not (s.dp in mechanisms and s.when == ROUNDS)]
+            if not covered(s, level) and not (s.dp in mechanisms and s.when == ROUNDS)]
 
 
 def privatised(sends) -> list[str]:
@@ -179,13 +181,17 @@ def privatised(sends) -> list[str]:
 def refusal(cls, level: str) -> tuple[str, list[str]] | None:
     """Why ``--dp level`` (client or sample) does not run method class ``cls``, or None where it does:
     ``("pool", [])`` (it trains on the clients' data pooled in one place), ``("unprotected", items)`` (what its clients
-    send that the guarantee would not cover, :func:`unprotected`) or ``("undeclared", [])`` (``--dp sample``: its
+    send that the guarantee would not cover, :func:`unprotected`), ``("server", [why])`` (``--dp client``: what the
+    method's server does with each reply that the noised mean does not cover, ``Method.dp_client_refusal``) or
+    ``("undeclared", [])`` (``--dp sample``: its
     local training is not declared DP-SGD-able, :func:`fedlt.core.dpsgd.declared`). The one source of the run's
     refusals (``fedlt.config``) and of :func:`verdict`."""
     from .dpsgd import declared
 
     if getattr(cls, "needs_pool", False):
         return "pool", []
+    if level == "client" and (why := getattr(cls, "dp_client_refusal", "")):
+        return "server", [why]
     if left := unprotected(getattr(cls, "sends", ()), level):
         return "unprotected", left
     if level == "sample" and not declared(cls):
@@ -200,6 +206,7 @@ def verdict(cls, level: str) -> str:
     if why is not None:
         return {"pool": "no, it trains on the clients' data pooled in one place",
                 "unprotected": f"no, its clients also send {', '.join(why[1])}",
+                "server": f"no, {''.join(why[1][:1])}",
                 "undeclared": "no, its local training is a loop of its own or its loss reads the client's class "
                               "statistics"}[why[0]]
     if level == "client":

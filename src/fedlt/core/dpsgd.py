@@ -93,6 +93,12 @@ def declared(cls) -> bool:
     return flag(cls, "dp_sample", HOOKS)
 
 
+def echoes(cls) -> tuple[str, ...]:
+    """The meta values method class ``cls``'s clients send back as the server sent them (category ``echo``, in the
+    rounds): under DP-SGD they leave beside the model (:func:`fedlt.core.dp.covered`)."""
+    return tuple(s.name for s in getattr(cls, "sends", ()) if s.category == "echo" and s.meta and s.when == "rounds")
+
+
 def counts_of(cfg) -> float:
     """--dp-counts-noise, else its default :data:`COUNTS_NOISE`."""
     value = getattr(cfg, "dp_counts_noise", None)
@@ -260,8 +266,9 @@ class SampleDP:
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
                  schedule: list[list[int]], sizes: Callable[[], Any], budget: float | None = None,
                  batch_size: int = 32, local_epochs: int = 1, key: str | None = None,
-                 counts_noise: float | None = None, seed: int = 0):
+                 counts_noise: float | None = None, seed: int = 0, echo: tuple[str, ...] = ()):
         require()
+        self.keep = ("num_examples", *echo)  # the meta a reply keeps: its size and the values it echoes (echoes)
         # --dp-noise-seed secret: the clients' noise key (a SuperNode's own: on_client); None: from the run's seed
         self.key, self.seed = key, int(seed)
         # a method whose loss reads the client's class counts (reads_counts): their noise's std (--dp-counts-noise)
@@ -283,7 +290,8 @@ class SampleDP:
         self.remote = False  # the clients train by DP-SGD themselves (Flower's): their gradient norms stay there
 
     @classmethod
-    def on_client(cls, cfg, cid: int, ctl, key: str | None = None, counts: bool = False) -> "SampleDP":
+    def on_client(cls, cfg, cid: int, ctl, key: str | None = None, counts: bool = False,
+                  echo: tuple[str, ...] = ()) -> "SampleDP":
         """A SuperNode's DP-SGD for its client ``cid`` (Flower): the run's clip and noise or target epsilon, and what
         the server's message says (``dp-delta``; ``dp-rounds``: the client's rounds in the schedule, for
         --dp-epsilon; ``dp-noise``: its noise multiplier, once the server knows it from an earlier reply);
@@ -294,7 +302,7 @@ class SampleDP:
                               "noise: the server runs another fedlt")
         dp = cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, float(ctl["dp-delta"]), [], lambda: [],
                  batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, key=key,
-                 counts_noise=counts_of(cfg) if counts else None, seed=cfg.seed)
+                 counts_noise=counts_of(cfg) if counts else None, seed=cfg.seed, echo=echo)
         dp.rounds_of = {int(cid): int(ctl.get("dp-rounds", 1))}
         if int(ctl.get("dp-counted", 0)):
             dp.counted.add(int(cid))
@@ -309,7 +317,7 @@ class SampleDP:
 
         if phase is not None:
             reply = self.phase_side(phase, [(cid, reply)])[0][1]
-        keep = {k: reply.meta[k] for k in ("num_examples",) if k in reply.meta}
+        keep = {k: reply.meta[k] for k in (self.keep if phase is None else ("num_examples",)) if k in reply.meta}
         return Message(reply.arrays, {**keep, HISTORY: [list(h) for h in self.histories.get(int(cid), [])]})
 
     def control(self, cid: int) -> dict:
@@ -425,12 +433,11 @@ class SampleDP:
 
     # ------------------------------------------------------------------------------------------- the driver
     def client_side(self, payloads: dict, replies: list) -> list:
-        """Each reply as its client sends it: the model it trained by DP-SGD and ``num_examples``; its training
-        statistics stay with it."""
+        """Each reply as its client sends it: the model it trained by DP-SGD, ``num_examples`` and what it echoes
+        of the server's message (:func:`echoes`); its training statistics stay with it."""
         from .method import Message
 
-        out = [(cid, Message(r.arrays, {k: r.meta[k] for k in ("num_examples",) if k in r.meta}))
-               for cid, r in replies]
+        out = [(cid, Message(r.arrays, {k: r.meta[k] for k in self.keep if k in r.meta})) for cid, r in replies]
         return out
 
     def phase_side(self, phase: str, replies: list) -> list:
@@ -453,7 +460,7 @@ class SampleDP:
         out, why = [], {}
         for cid, reply in replies:
             entries = entries_of(cid, reply.meta)
-            extra = sorted(set(reply.meta) - {"num_examples", HISTORY})
+            extra = sorted(set(reply.meta) - {*(self.keep if phase is None else ("num_examples",)), HISTORY})
             if isinstance(entries, str):
                 why[cid] = entries
             elif extra:

@@ -144,6 +144,8 @@ class Method:
     # (--dp-counts-noise, counted in the client's accountant); a subclass that changes a client hook declares it
     # again (dpsgd.declared)
     dp_sample: bool | str = False
+    # --dp client: why its server's use of each reply is not covered by the noised mean, in words ("" where it is)
+    dp_client_refusal: str = ""
     # --dp sample: what else it needs, in words for ``fedlt list`` ("" where nothing); :meth:`dp_sample_refusal` checks
     dp_sample_needs: str = ""
     # --secagg (core.secagg): True where the rounds' aggregate needs only the num_examples-weighted mean of the

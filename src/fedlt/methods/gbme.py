@@ -162,6 +162,11 @@ class GBME(Method):
         known: torch.Tensor | None = None  # [K] bool: the clients whose counts were estimated
 
     # the proxy of the client's class counts is read by the server from its first classifier update (the model)
+    dp_client_refusal = ("its server reads each client's own classifier update, before any noise, to estimate that "
+                         "client's class counts, and sends every client the prior they give")
+    # --dp sample: the described steps' loss reads the sample and what the server sent (the prior, the mask); the
+    # proxy the server reads from a client's DP-SGD-trained update is post-processing, mode and experts echoes
+    dp_sample = True
     sends = Method.sends + (
         sent("mode", "echo", "the round's mode the server sent (estimate, joint, expert)", meta=True),
         sent("experts", "echo", "the experts it trained, from the server's mask (a list of expert ids)", meta=True),
