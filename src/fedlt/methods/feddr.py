@@ -47,6 +47,7 @@ from ..core import Message, Method, load_weights, make_optimizer, train_local, w
 from ..core.etf import fixed_classifier
 from ..core.personal import personal_predictor
 from ..core.privacy import MODEL, sent
+from ..core.steps import LocalSteps, Train, strip
 from ..decl import setting
 from ..models import backbone_keys
 from ..registry import METHODS
@@ -69,6 +70,9 @@ def feddr_loss(h: torch.Tensor, h_g: torch.Tensor | None, V: torch.Tensor, y: to
 class FedDrPlus(Method):
     personalized = True
     secagg = True  # its server is FedAvg's weighted mean (--secagg: core.secagg)
+    # --dp sample: a sample's L_Dr+ reads it, the frozen ETF and the received backbone (core.dpsgd); the FT phase's
+    # personal model never leaves the client and fine-tunes by plain SGD, as Ditto's personal model does
+    dp_sample = True
 
     @dataclass
     class Params:
@@ -135,12 +139,24 @@ class FedDrPlus(Method):
         opt = make_optimizer(net.parameters(), self.spec, lr=lr)
         return train_local(net, data, self.spec, gen, loss_fn, epochs=epochs, optimizer=opt)
 
-    def local_train(self, payload, cstate, data, gen):
-        lr = self.round_lr(payload)
-        if self.p.lr is not None:
-            lr = self.p.lr * lr / self.spec.lr  # --lr-schedule scales an own lr like the run's
-        stats = self._train(payload.arrays, data, gen, self.p.beta, self.spec.local_epochs, lr)
-        return Message(weights_of(self.net, self.sent), {"num_examples": len(data), **stats}), cstate
+    def local_steps(self, payload, cstate, data):
+        """Eq. 1 on the backbone (the ETF head frozen), at the method's own lr where it has one; the received
+        backbone frozen as the teacher when distilling."""
+        lr = None if self.p.lr is None else self.p.lr * self.round_lr(payload) / self.spec.lr  # scaled like the run's
+        teacher = {f"teacher.{k}": v for k, v in payload.arrays.items()} if self.p.beta < 1 else {}
+        weights = {**{f"head.{k}": v for k, v in self.net.head.state_dict().items()}, **payload.arrays}  # + the ETF
+        return LocalSteps(weights, self.dr_loss, train=(Train("backbone.", lr=lr),), extra=teacher)
+
+    def dr_loss(self, model, x, y, extra):
+        h = model.backbone(x)
+        h_g = None
+        if self.p.beta < 1:
+            with torch.no_grad():
+                h_g = model.frozen(strip(extra, "teacher."), "backbone")(x)
+        return feddr_loss(h, h_g, self.net.head.weight, y, self.p.beta)  # V: the frozen ETF, the same everywhere
+
+    def local_reply(self, payload, cstate, data, out):
+        return Message({k: out.weights[k] for k in self.sent}, {"num_examples": len(data), **out.stats}), cstate
 
     # ---------------------------------------------------------------- FedDr+ FT
     def phase_client(self, phase, payload, cstate, data, gen):
