@@ -38,6 +38,7 @@ from torch import nn
 from ..core import Message, Method, Predictor, derive_seed, load_weights, make_optimizer, train_local, weights_of
 from ..core.etf import fixed_classifier
 from ..core.personal import personal_predictor
+from ..core.steps import LocalSteps, Train
 from ..core.losses import balanced_softmax_loss
 from ..core.priors import prior_counts
 from ..core.privacy import MODEL, sent
@@ -107,6 +108,9 @@ def frozen_feature_batches(body: nn.Module, data, batch_size: int):
 class FedETF(Method):
     personalized = True
     secagg = True  # its server is FedAvg's weighted mean of the backbone, projection and beta (--secagg: core.secagg)
+    # --dp sample: its balanced softmax reads the client's class counts, given noised once (core.dpsgd); the
+    # personalization phase's model never leaves the client and trains by plain SGD, as Ditto's personal model does
+    dp_sample = "counts"
 
     @dataclass
     class Params:
@@ -168,17 +172,34 @@ class FedETF(Method):
         counts = prior_counts(torch.as_tensor(data.counts, dtype=torch.float32, device=self.spec.device),
                               self.p.absent_count)  # on the device once, not copied every step
         opt = make_optimizer(net.parameters(), self.spec, lr=payload.lr)
-        if self.p.keep_momentum and "opt" in cstate:
-            opt.load_state_dict(cstate["opt"])
+        named = dict(net.named_parameters())
+        if self.p.keep_momentum:
+            for k, buf in cstate.get("momentum", {}).items():
+                opt.state[named[k]]["momentum_buffer"] = buf.clone()
         stats = train_local(net, data, self.spec, gen,
                             lambda model, x, y: balanced_softmax_loss(model(x), y, counts), optimizer=opt)
         if self.p.keep_momentum:
-            cstate = {**cstate, "opt": opt.state_dict()}
+            cstate = {**cstate, "momentum": {k: opt.state[p]["momentum_buffer"].clone() for k, p in named.items()
+                                             if opt.state[p].get("momentum_buffer") is not None}}
         return stats, cstate
 
-    def local_train(self, payload, cstate, data, gen):
-        stats, cstate = self._balanced_round(self.net, payload, cstate, data, gen)
-        return Message(weights_of(self.net, self.sent), {"num_examples": len(data), **stats}), cstate
+    def local_steps(self, payload, cstate, data):
+        """E local epochs of the balanced softmax loss on the backbone, the projection and beta (M fixed); with
+        keep_momentum, from the client's momentum buffers of its last round."""
+        counts = prior_counts(torch.as_tensor(data.counts, dtype=torch.float32, device=self.spec.device),
+                              self.p.absent_count)
+        weights = {"head.M": self.net.head.M.detach(), **payload.arrays}  # M: the same fixed ETF everywhere
+        momentum = dict(cstate.get("momentum", {})) if self.p.keep_momentum else {}
+        return LocalSteps(weights, self.balanced_loss, train=(Train(("backbone.", "head.beta")),),
+                          extra={"counts": counts}, momentum=momentum)
+
+    def balanced_loss(self, model, x, y, extra):
+        return balanced_softmax_loss(model(x), y, extra["counts"])
+
+    def local_reply(self, payload, cstate, data, out):
+        if self.p.keep_momentum:
+            cstate = {**cstate, "momentum": dict(out.momentum)}
+        return Message({k: out.weights[k] for k in self.sent}, {"num_examples": len(data), **out.stats}), cstate
 
     # ---------------------------------------------------------------- personalization
     def phase_client(self, phase, payload, cstate, data, gen):
