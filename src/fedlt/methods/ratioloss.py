@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from ..core import Message, Method, derive_seed, load_weights, train_local, weighted_average, weights_of
 from ..core.auxiliary import auxiliary_set
+from ..core.steps import LocalSteps
 from ..decl import setting
 from ..registry import METHODS
 
@@ -78,6 +79,9 @@ def ratio_weights(w_last: torch.Tensor, monitors: torch.Tensor, threshold: float
 
 @METHODS.register("ratioloss")
 class RatioLoss(Method):
+    # --dp sample: a sample's loss reads it and the server's alpha (core.dpsgd); the server's monitors train on its
+    # own auxiliary set
+    dp_sample = True
     @dataclass
     class Params:
         aux_per_class: int = setting(32, "size of the server's auxiliary set per class", low=1, limit=10**6)
@@ -141,13 +145,10 @@ class RatioLoss(Method):
         return state
 
     # ------------------------------------------------------------------ client
-    def local_train(self, payload, cstate, data, gen):
-        net = self.net
-        load_weights(net, payload.arrays)
-        alpha = payload.arrays["ratio.alpha"].to(self.spec.device)
+    def local_steps(self, payload, cstate, data):
+        """E local epochs of the alpha-weighted cross-entropy, alpha the server's of this round."""
+        weights = {k: v for k, v in payload.arrays.items() if k != "ratio.alpha"}
+        return LocalSteps(weights, self.weighted_ce, extra={"alpha": payload.arrays["ratio.alpha"].to(self.spec.device)})
 
-        def loss_fn(model, x, y):
-            return (alpha[y] * F.cross_entropy(model(x), y, reduction="none")).mean()
-
-        stats = train_local(net, data, self.spec, gen, loss_fn, lr=payload.lr)
-        return Message(weights_of(net), {"num_examples": len(data), **stats}), cstate
+    def weighted_ce(self, model, x, y, extra):
+        return (extra["alpha"].gather(0, y) * F.cross_entropy(model(x), y, reduction="none")).mean()
