@@ -228,7 +228,7 @@ def test_a_batchnorm_model_is_refused_on_the_command_line_naming_models_that_wor
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("method, says", [("fednova", "a_norm"), ("fedrep", "does not declare"),
+@pytest.mark.parametrize("method, says", [("fednova", "a_norm"), ("fedgrab", "does not declare"),
                                           ("perfedavg", "does not declare"), ("ccvr", "class-counts")])
 def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
     from fedlt.config import RunConfig, validate
@@ -242,6 +242,19 @@ def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
 
 
 BALANCEFL_DP = {"optimizer": "sgd", "feat_aug": False}  # what balancefl needs under --dp sample
+
+
+def test_a_method_of_two_stages_solves_its_noise_for_both_and_ends_at_the_target(tmp_path):
+    """FedRep's head epochs, then its body epochs, are both DP-SGD on one accountant: each client's noise is solved
+    for the steps of both stages in each of its rounds (Method.dp_round_epochs), so its epsilon ends at the target,
+    not past it (solved for one stage's steps, the second stage would overspend it)."""
+    cfg = small_config(**{**DP, "dp_noise": None, "dp_epsilon": 6.0, "rounds": 3, "eval_every": 3},
+                       method="fedrep", params={"head_epochs": 2, "body_epochs": 1}, out=str(tmp_path), name="r")
+    d = rundir.run(cfg, progress=False, echo=lambda *a: None)["dp"]
+    for row in d["clients"].values():
+        L = batches_per_epoch(row["samples"], cfg.batch_size)
+        assert row["steps"] % (3 * L) == 0 and row["steps"] > 0  # 2 + 1 epochs of L steps a round
+        assert 6.0 - 0.01 <= row["epsilon"] <= 6.0, row
 
 
 def test_scaffold_runs_dp_sgd_with_its_control_variates_derived_and_option_i_is_refused(tmp_path):

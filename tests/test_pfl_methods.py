@@ -120,21 +120,18 @@ def test_fedrep_trains_the_head_first_then_the_body(monkeypatch):
     sim, _ = run_small("fedrep", rounds=1, eval_every=1)
     m, cid = sim.method, sim.schedule[0][0]
     calls = []
-    orig = fedrep.train_local
+    orig = fedrep.run_steps
 
-    def spy(net, data, spec, gen, *a, params=None, epochs=None, **k):
-        params = list(params)
-        part = "head" if all(any(p is q for q in net.head.parameters()) for p in params) else "body"
-        before = {n: t.clone() for n, t in net.state_dict().items()}
-        out = orig(net, data, spec, gen, *a, params=params, epochs=epochs, **k)
-        moved = {n.split(".")[0] for n, t in net.state_dict().items() if not torch.equal(t, before[n])}
-        calls.append((part, epochs, moved))
+    def spy(method, steps, data, gen, lr=None):
+        out = orig(method, steps, data, gen, lr)
+        moved = {n.split(".")[0] for n, t in out.weights.items() if not torch.equal(t, steps.weights[n])}
+        calls.append(([t.prefix for t in steps.train], steps.epochs, moved))
         return out
 
-    monkeypatch.setattr(fedrep, "train_local", spy)
+    monkeypatch.setattr(fedrep, "run_steps", spy)
     m.local_train(m.configure(sim.state, 2, cid), sim.client_states[cid], sim.fed.clients[cid],
                   client_generator(0, TRAIN, 2, cid))
-    assert calls == [("head", 10, {"head"}), ("body", 1, {"backbone"})]
+    assert calls == [(["head."], 10, {"head"}), (["backbone."], 1, {"backbone"})]
 
 
 # ------------------------------------------------------------------------------------------------ Ditto

@@ -388,8 +388,9 @@ class SampleDP:
         cid, n = int(data.client_id), len(data)
         L = batches_per_epoch(n, spec.batch_size)
         rate, epochs = 1.0 / L, spec.local_epochs if steps.epochs is None else steps.epochs
-        z = self.noise_of(cid, rate, epochs * L)
-        self.steps_of[cid] = epochs * L
+        per_round = method.dp_round_epochs() * L  # all of the round's stages (FedRep: head, then body)
+        z = self.noise_of(cid, rate, per_round)
+        self.steps_of[cid] = per_round
         run = StepRun(method, steps, lr)
         run.net.train()
         trained = [run.live[k] for k in run.groups]

@@ -153,6 +153,11 @@ class Method:
     # SecAgg+ hands the server; a subclass that changes aggregate or sends declares it again (:func:`declared`)
     secagg: bool = False
 
+    def dp_round_epochs(self) -> int:
+        """--dp sample: the epochs of DP-SGD a client runs in a round, over all its described stages (its accountant
+        steps ``L`` times these): the run's local epochs; a method that runs several stages says their sum."""
+        return self.spec.local_epochs
+
     @classmethod
     def dp_sample_refusal(cls, params) -> str:
         """Under --dp sample, why these parameters ask for local training other than the declared DP-SGD-able one

@@ -189,7 +189,7 @@ class Driver:
         if cfg.dp == "sample":  # --dp sample (core.dpsgd): DP-SGD in every client's described steps, an accountant each
             self.dp = method.dpsgd = SampleDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, self.schedule,
                                               lambda: self.counts().sum(1), cfg.dp_budget, method.spec.batch_size,
-                                              method.spec.local_epochs, noise_key(cfg),
+                                              method.dp_round_epochs(), noise_key(cfg),
                                               counts_of(cfg) if reads_counts(type(method)) else None, cfg.seed,
                                               echoes(type(method)))
         self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core import Trained, load_weights, train_local, weights_of
+from ..core import Trained
+from ..core.steps import LocalSteps, Train, ce, run_steps
 from ..decl import setting
 from ..errors import ConfigError
 from ..registry import METHODS
@@ -51,28 +52,26 @@ class FedRep(FedPer):
         if self.p.head_epochs + self.p.body_epochs == 0:
             raise ConfigError("fedrep: head_epochs and body_epochs must not both be 0")
 
+    # --dp sample: both phases are described steps, run as DP-SGD on one accountant (core.dpsgd); the head trains by
+    # the same DP-SGD and never leaves the client
+    dp_sample = True
+
+    def dp_round_epochs(self) -> int:
+        return self.p.head_epochs + self.p.body_epochs
+
     def local_train(self, payload, cstate, data, gen):
-        """FedRep's own loop (two phases with different trained parts), answered like the other sharing methods."""
-        net = self.net
-        load_weights(net, payload.arrays)
-        load_weights(net, cstate["local"])
-        stats = self.train_client(net, data, gen, payload.lr)
-        return self.local_reply(payload, cstate, data, Trained(weights_of(net), {}, {}, stats))
-
-    def train_client(self, net, data, gen, lr):
-        steps, stats = 0, {"loss": 0.0}
-        if self.p.head_epochs:  # 1. the head on the frozen body's features
-            stats = train_local(net, data, self.spec, gen, head_loss, epochs=self.p.head_epochs,
-                                params=net.head.parameters(), lr=lr)
-            steps += stats["steps"]
-        if self.p.body_epochs:  # 2. the body under the frozen head
-            stats = train_local(net, data, self.spec, gen, epochs=self.p.body_epochs,
-                                params=net.backbone.parameters(), lr=lr)
-            steps += stats["steps"]
-        return {"loss": stats["loss"], "steps": steps}  # loss: the mean over the last phase
+        """FedRep's two phases, each described local steps from where the last left the model, answered like the
+        other sharing methods (loss: the last phase's mean; steps: both phases')."""
+        weights, steps, stats = {**payload.arrays, **cstate["local"]}, 0, {"loss": 0.0}
+        for epochs, part, loss in ((self.p.head_epochs, "head.", head_loss), (self.p.body_epochs, "backbone.", ce)):
+            if epochs:  # 1. the head on the frozen body's features; 2. the body under the frozen head
+                out = run_steps(self, LocalSteps(weights, loss, (Train(part),), epochs=epochs), data, gen, payload.lr)
+                weights, stats, steps = out.weights, out.stats, steps + out.stats["steps"]
+        return self.local_reply(payload, cstate, data, Trained(weights, {}, {}, {"loss": stats["loss"],
+                                                                                 "steps": steps}))
 
 
-def head_loss(model, x, y):
+def head_loss(model, x, y, extra):
     """CE through the head only: the body runs forward without a graph."""
     with torch.no_grad():
         h = model.backbone(x)
