@@ -41,7 +41,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .spec import load_weights, weights_of
-from .training import make_optimizer, train_local
+from .training import make_optimizer, momentum_of, set_momentum, train_local
 
 
 @dataclass(frozen=True)
@@ -215,13 +215,10 @@ class StepRun:
         param_groups = [{"params": [self.live[n] for n in names], "lr": g_lr, "momentum": mom, "weight_decay": wd}
                         for (g_lr, mom, wd), names in by_setting(self.groups, spec, lr).items()]
         self.opt = make_optimizer(param_groups, spec)
-        for name, buf in steps.momentum.items():
-            self.opt.state[self.live[name]]["momentum_buffer"] = buf.detach().clone()
+        set_momentum(self.opt, self.live, steps.momentum)
         self.view = StepModel(net, {n: p for n, p in self.params.items() if n in self.groups}, frozen_net(method))
 
     def trained(self, stats: dict[str, Any]) -> Trained:
         """The result once the steps have run: the model, the extras, the trained tensors' momentum, ``stats``."""
-        opt, live = self.opt, self.live
-        momentum = {n: opt.state[live[n]]["momentum_buffer"].clone() for n in self.groups
-                    if opt.state[live[n]].get("momentum_buffer") is not None}
+        momentum = momentum_of(self.opt, {n: self.live[n] for n in self.groups})
         return Trained(weights_of(self.net), {k: v.detach() for k, v in self.extra.items()}, momentum, stats)

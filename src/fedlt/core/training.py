@@ -30,6 +30,19 @@ def make_optimizer(params: Iterable, spec: RunSpec, lr: float | None = None, mom
     )
 
 
+def set_momentum(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    """Give SGD's momentum buffers to the parameters ``params`` by name (``buffers``: name -> buffer), as
+    ``torch.optim.SGD`` keeps them: its first step then continues them."""
+    for name, buf in buffers.items():
+        opt.state[params[name]]["momentum_buffer"] = buf.detach().clone()
+
+
+def momentum_of(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """SGD's momentum buffers of ``params`` (name -> parameter) by name, for those that have one."""
+    return {n: opt.state[p]["momentum_buffer"].clone() for n, p in params.items()
+            if opt.state[p].get("momentum_buffer") is not None}
+
+
 def effective_steps(K: int, momentum: float) -> float:
     """K' such that K heavy-ball steps (momentum rho, lr eta) of a constant gradient g move by eta * K' * g: the
     step count that normalises a local update made with momentum (SCAFFOLD's option II, FedNova's ||a_i||_1)."""

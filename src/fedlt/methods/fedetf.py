@@ -39,6 +39,7 @@ from ..core import Message, Method, Predictor, derive_seed, load_weights, make_o
 from ..core.etf import fixed_classifier
 from ..core.personal import personal_predictor
 from ..core.steps import LocalSteps, Train
+from ..core.training import momentum_of, set_momentum
 from ..core.losses import balanced_softmax_loss
 from ..core.priors import prior_counts
 from ..core.privacy import MODEL, sent
@@ -174,13 +175,11 @@ class FedETF(Method):
         opt = make_optimizer(net.parameters(), self.spec, lr=payload.lr)
         named = dict(net.named_parameters())
         if self.p.keep_momentum:
-            for k, buf in cstate.get("momentum", {}).items():
-                opt.state[named[k]]["momentum_buffer"] = buf.clone()
+            set_momentum(opt, named, cstate.get("momentum", {}))
         stats = train_local(net, data, self.spec, gen,
                             lambda model, x, y: balanced_softmax_loss(model(x), y, counts), optimizer=opt)
         if self.p.keep_momentum:
-            cstate = {**cstate, "momentum": {k: opt.state[p]["momentum_buffer"].clone() for k, p in named.items()
-                                             if opt.state[p].get("momentum_buffer") is not None}}
+            cstate = {**cstate, "momentum": momentum_of(opt, named)}
         return stats, cstate
 
     def local_steps(self, payload, cstate, data):
