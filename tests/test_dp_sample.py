@@ -228,7 +228,7 @@ def test_a_batchnorm_model_is_refused_on_the_command_line_naming_models_that_wor
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("method, says", [("fednova", "a_norm"), ("fedgrab", "does not declare"),
+@pytest.mark.parametrize("method, says", [("climb", "climb.loss"), ("fedgrab", "does not declare"),
                                           ("perfedavg", "does not declare"), ("ccvr", "class-counts")])
 def test_a_method_dp_sgd_cannot_cover_is_refused_in_one_line(method, says):
     from fedlt.config import RunConfig, validate

@@ -93,10 +93,13 @@ def declared(cls) -> bool:
     return flag(cls, "dp_sample", HOOKS)
 
 
-def echoes(cls) -> tuple[str, ...]:
-    """The meta values method class ``cls``'s clients send back as the server sent them (category ``echo``, in the
-    rounds): under DP-SGD they leave beside the model (:func:`fedlt.core.dp.covered`)."""
-    return tuple(s.name for s in getattr(cls, "sends", ()) if s.category == "echo" and s.meta and s.when == "rounds")
+def riders(cls) -> tuple[str, ...]:
+    """The meta values that leave beside the model under DP-SGD (:func:`fedlt.core.dp.covered`), besides
+    ``num_examples``: in the rounds, what method class ``cls``'s clients send back as the server sent it (category
+    ``echo``: GBME's mode) and what follows from a client's size and the run's settings (``size``: FedNova's step
+    weight; public, as ``num_examples`` is in DP-SGD's analysis)."""
+    return tuple(s.name for s in getattr(cls, "sends", ()) if s.category in ("echo", "size") and s.meta
+                 and s.when == "rounds" and s.name != "num_examples")
 
 
 def counts_of(cfg) -> float:
@@ -268,7 +271,7 @@ class SampleDP:
                  batch_size: int = 32, local_epochs: int = 1, key: str | None = None,
                  counts_noise: float | None = None, seed: int = 0, echo: tuple[str, ...] = ()):
         require()
-        self.keep = ("num_examples", *echo)  # the meta a reply keeps: its size and the values it echoes (echoes)
+        self.keep = ("num_examples", *echo)  # the meta a reply keeps: its size and what rides with it (riders)
         # --dp-noise-seed secret: the clients' noise key (a SuperNode's own: on_client); None: from the run's seed
         self.key, self.seed = key, int(seed)
         # a method whose loss reads the client's class counts (reads_counts): their noise's std (--dp-counts-noise)
@@ -434,8 +437,8 @@ class SampleDP:
 
     # ------------------------------------------------------------------------------------------- the driver
     def client_side(self, payloads: dict, replies: list) -> list:
-        """Each reply as its client sends it: the model it trained by DP-SGD, ``num_examples`` and what it echoes
-        of the server's message (:func:`echoes`); its training statistics stay with it."""
+        """Each reply as its client sends it: the model it trained by DP-SGD, ``num_examples`` and the meta that
+        rides with it (:func:`riders`); its training statistics stay with it."""
         from .method import Message
 
         out = [(cid, Message(r.arrays, {k: r.meta[k] for k in self.keep if k in r.meta})) for cid, r in replies]

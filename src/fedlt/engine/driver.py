@@ -34,7 +34,7 @@ import torch
 
 from ..config import RunConfig, clients_per_round, lr_at, worker_count
 from ..core.dp import ClientDP, class_means
-from ..core.dpsgd import SampleDP, counts_of, echoes, reads_counts
+from ..core.dpsgd import SampleDP, counts_of, reads_counts, riders
 from ..core.noise import noise_generator, noise_key
 from ..core.method import Message, Method, derive_seed
 from ..core.privacy import sends_check
@@ -191,7 +191,7 @@ class Driver:
                                               lambda: self.counts().sum(1), cfg.dp_budget, method.spec.batch_size,
                                               method.dp_round_epochs(), noise_key(cfg),
                                               counts_of(cfg) if reads_counts(type(method)) else None, cfg.seed,
-                                              echoes(type(method)))
+                                              riders(type(method)))
         self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)
         # --secagg (core.secagg): the server receives a training round's replies as SecAgg+ unmasks them; a transport
         # that runs the protocol itself says so (``secagg``: Flower's), the others' rounds simulate it (exchange)

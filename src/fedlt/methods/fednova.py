@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core import Message, load_weights, train_local, weighted_average, weights_of
+from ..core import Message, weighted_average
 from ..core.privacy import sent
 from ..core.server_opt import ParamKeys, server_step
 from ..core.training import effective_steps
@@ -40,21 +40,25 @@ from .fedavg import FedAvg
 
 @METHODS.register("fednova")
 class FedNova(ParamKeys, FedAvg):
+    # --dp client weighs every update alike (num_examples 1), which this server's per-client normalisation undoes
+    dp_client_refusal = ("its server weighs each update by its own client's local steps (a_norm), which --dp client's "
+                         "noise calibration for a uniformly weighted mean does not cover")
+    # --dp sample: FedAvg's steps as DP-SGD; a_norm follows from the client's size, public as num_examples is
+    dp_sample = True
     @dataclass
     class Params:
         normalize_momentum: bool = setting(True, "||a_i||_1 counts local momentum (paper, official); false: tau_i")
 
     sends = FedAvg.sends[:2] + (
-        sent("a_norm", "scalars", "||a_i||_1, the weight of its local steps (their count, with momentum)", meta=True),
+        sent("a_norm", "size", "||a_i||_1, the weight of its local steps (their count, with momentum): a function of "
+             "its number of samples and the run's settings", meta=True),
     ) + FedAvg.sends[2:]
 
-    def local_train(self, payload, cstate, data, gen):
-        net = self.net
-        load_weights(net, payload.arrays)
-        stats = train_local(net, data, self.spec, gen, lr=payload.lr)
+    def local_reply(self, payload, cstate, data, out):
+        """FedAvg's local steps, answered with ||a_i||_1 from their count."""
         rho = self.spec.momentum if self.p.normalize_momentum else 0.0
-        a_norm = effective_steps(stats["steps"], rho)
-        return Message(weights_of(net), {"num_examples": len(data), "a_norm": a_norm, **stats}), cstate
+        a_norm = effective_steps(out.stats["steps"], rho)
+        return Message(out.weights, {"num_examples": len(data), "a_norm": a_norm, **out.stats}), cstate
 
     def aggregate(self, state: "FedNova.State", rnd, replies):
         x = state.weights

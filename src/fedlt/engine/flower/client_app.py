@@ -73,7 +73,7 @@ from flwr.clientapp import ClientApp
 
 from ...config import RunConfig
 from ...core.dp import STATS_CLIP, class_means, client_reply, phase_reply
-from ...core.dpsgd import SampleDP, echoes, reads_counts
+from ...core.dpsgd import SampleDP, reads_counts, riders
 from ...core.method import Message, Method, RunSpec
 from ...core.spec import milestones_text
 from ...core.state import tree_of
@@ -237,7 +237,7 @@ class Node:
         training = job.cfg.dp == "sample" and msg.metadata.message_type.startswith("train")
         key = node_noise_key(context.state, state_dir, run) if training and job.cfg.dp_noise_seed == "secret" else None
         method.dpsgd = SampleDP.on_client(job.cfg, cid, ctl, key, reads_counts(type(method)),
-                                          echoes(type(method))) if training else None
+                                          riders(type(method))) if training else None
         return cls(cid, data, method, job, state_dir, run, ctl)
 
     def client_state(self, context: Context) -> dict:
