@@ -855,7 +855,7 @@ RELATIONS: list[Relation] = [
                        f"training is a loop of its own, or its loss reads statistics of its data other than the class "
                        f"counts); choose {words(dp_sample_methods(), 'or')}",
              when=lambda c: c.dp == "sample", others=("method",),
-             bad=({"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "scaffold"},)),
+             bad=({"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "fedgrab"},)),
     requires("dp", lambda c: worker_count(c) == 0 and str(c.client_parallel) in ("auto", "off")
              and c.precision != "fp16",
              "--dp sample trains a round's clients one after another in this process, in fp32 or bf16 (each keeps its "
