@@ -64,6 +64,7 @@ from torch.func import grad_and_value, vmap
 
 from ..errors import ConfigError
 from .noise import NOISE_SEEDS, keyed_seed
+from .privacy import ROUNDS
 from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_loss, stats_of
 from .training import Meter
 
@@ -99,7 +100,7 @@ def riders(cls) -> tuple[str, ...]:
     ``echo``: GBME's mode) and what follows from a client's size and the run's settings (``size``: FedNova's step
     weight; public, as ``num_examples`` is in DP-SGD's analysis)."""
     return tuple(s.name for s in getattr(cls, "sends", ()) if s.category in ("echo", "size") and s.meta
-                 and s.when == "rounds" and s.name != "num_examples")
+                 and s.when == ROUNDS and s.name != "num_examples")
 
 
 def counts_of(cfg) -> float:
@@ -269,9 +270,9 @@ class SampleDP:
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
                  schedule: list[list[int]], sizes: Callable[[], Any], budget: float | None = None,
                  batch_size: int = 32, local_epochs: int = 1, key: str | None = None,
-                 counts_noise: float | None = None, seed: int = 0, echo: tuple[str, ...] = ()):
+                 counts_noise: float | None = None, seed: int = 0, riders: tuple[str, ...] = ()):
         require()
-        self.keep = ("num_examples", *echo)  # the meta a reply keeps: its size and what rides with it (riders)
+        self.keep = ("num_examples", *riders)  # the meta a round's reply keeps: its size and what rides with it
         # --dp-noise-seed secret: the clients' noise key (a SuperNode's own: on_client); None: from the run's seed
         self.key, self.seed = key, int(seed)
         # a method whose loss reads the client's class counts (reads_counts): their noise's std (--dp-counts-noise)
@@ -294,7 +295,7 @@ class SampleDP:
 
     @classmethod
     def on_client(cls, cfg, cid: int, ctl, key: str | None = None, counts: bool = False,
-                  echo: tuple[str, ...] = ()) -> "SampleDP":
+                  riders: tuple[str, ...] = ()) -> "SampleDP":
         """A SuperNode's DP-SGD for its client ``cid`` (Flower): the run's clip and noise or target epsilon, and what
         the server's message says (``dp-delta``; ``dp-rounds``: the client's rounds in the schedule, for
         --dp-epsilon; ``dp-noise``: its noise multiplier, once the server knows it from an earlier reply);
@@ -305,7 +306,7 @@ class SampleDP:
                               "noise: the server runs another fedlt")
         dp = cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, float(ctl["dp-delta"]), [], lambda: [],
                  batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, key=key,
-                 counts_noise=counts_of(cfg) if counts else None, seed=cfg.seed, echo=echo)
+                 counts_noise=counts_of(cfg) if counts else None, seed=cfg.seed, riders=riders)
         dp.rounds_of = {int(cid): int(ctl.get("dp-rounds", 1))}
         if int(ctl.get("dp-counted", 0)):
             dp.counted.add(int(cid))
@@ -320,8 +321,12 @@ class SampleDP:
 
         if phase is not None:
             reply = self.phase_side(phase, [(cid, reply)])[0][1]
-        keep = {k: reply.meta[k] for k in (self.keep if phase is None else ("num_examples",)) if k in reply.meta}
+        keep = {k: reply.meta[k] for k in self.kept(phase) if k in reply.meta}
         return Message(reply.arrays, {**keep, HISTORY: [list(h) for h in self.histories.get(int(cid), [])]})
+
+    def kept(self, phase: str | None = None) -> tuple[str, ...]:
+        """The meta a reply keeps as it leaves: in a round, ``num_examples`` and the riders; in a phase, its size."""
+        return self.keep if phase is None else ("num_examples",)
 
     def control(self, cid: int) -> dict:
         """What a message to client ``cid`` says for its DP-SGD on a SuperNode (:meth:`on_client`)."""
@@ -464,7 +469,7 @@ class SampleDP:
         out, why = [], {}
         for cid, reply in replies:
             entries = entries_of(cid, reply.meta)
-            extra = sorted(set(reply.meta) - {*(self.keep if phase is None else ("num_examples",)), HISTORY})
+            extra = sorted(set(reply.meta) - {*self.kept(phase), HISTORY})
             if isinstance(entries, str):
                 why[cid] = entries
             elif extra:
