@@ -14,10 +14,10 @@ How a fenced block is run, by its info string:
   fails the test);
 - ``text`` after a command: what it printed (:func:`check_output`, the tolerance rule: every line the page shows
   must be one of the output's, ``...`` standing for lines left out; a line without digits verbatim; a line with
-  numbers in the same words and layout, its numbers within 2 % or 1 of the printed ones (whichever is larger: on
-  digits' test set, 54 samples a class, one sample more or less right moves a three-class group's accuracy by 0.6
-  points, and two AVX-512 machines, the page's and a later one with AMX, printed 25.96 and 26.68 for one on
-  docs/python-api.md;
+  numbers in the same words and layout, its numbers within 3 % or 2 of the printed ones (whichever is larger: two
+  AVX-512 machines, the pages' and a later one with AMX, print FedAvg's numbers alike but FedLoGe's up to 1.7
+  apart -- 25.96 and 26.68 on docs/python-api.md, PM 67.12 and 68.80 on docs/writing-a-method.md -- whatever
+  ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_CBWR or OPENBLAS_CORETYPE say; the cause is not found;
   times -- a number followed by ``s``, ``ms`` or ``min`` -- are free), and any number where the test shortened the
   command or where torch runs its plain CPU kernels, not the AVX2 / AVX-512 ones the pages were printed with
   (``PAGE_KERNELS``);
@@ -181,7 +181,7 @@ def _numbers(line: str) -> list[tuple[float, bool]]:
 
 def check_output(where: str, shown: str, printed: str, exact: bool) -> None:
     """The tolerance rule (module docstring): every line ``shown`` is one of ``printed``'s -- without digits
-    verbatim, with numbers in the same words and layout and, if ``exact``, each number within 2 % or 1 (times
+    verbatim, with numbers in the same words and layout and, if ``exact``, each number within 3 % or 2 (times
     free)."""
     # pytest adds "(H:MM:SS)" to a summary past a minute (a slow machine): a time like the rest, free
     lines = [re.sub(r" \(\d+:\d\d:\d\d\)$", "", x.rstrip()) for x in printed.splitlines()]
@@ -211,7 +211,7 @@ def check_output(where: str, shown: str, printed: str, exact: bool) -> None:
 
         def close(x):
             got = _numbers(x)[-len(want):] if want else []
-            return len(got) == len(want) and all(t or abs(a - b) <= max(0.02 * abs(b), 1.0)
+            return len(got) == len(want) and all(t or abs(a - b) <= max(0.03 * abs(b), 2.0)
                                                  for (a, _), (b, t) in zip(got, want))
         assert any(close(x) for x in cands), f"{where}: {e!r} is printed with other numbers: {cands[:3]}"
 
