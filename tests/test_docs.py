@@ -16,8 +16,8 @@ How a fenced block is run, by its info string:
   must be one of the output's, ``...`` standing for lines left out; a line without digits verbatim; a line with
   numbers in the same words and layout and, with ``FEDLT_DOCS_EXACT=1``, its numbers within 2 % or 0.5 of the
   printed ones (whichever is larger: two AVX-512 machines, the pages' and a later one with AMX, print FedAvg's
-  numbers alike but FedLoGe's apart -- 25.96 and 26.68 on docs/python-api.md, GM 44.23 and 50.48 in
-  docs/writing-a-method.md's 20-round table -- whatever ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_CBWR or
+  numbers alike but FedLoGe's apart -- 25.96 and 26.68 on docs/python-api.md, final GM 44.23 and 50.48 in
+  docs/writing-a-method.md -- whatever ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_CBWR or
   OPENBLAS_CORETYPE say; the cause is not found, so the numbers are compared only where asked;
   times -- a number followed by ``s``, ``ms`` or ``min`` -- are free), and any number where the test shortened the
   command or where torch runs its plain CPU kernels, not the AVX2 / AVX-512 ones the pages were printed with
