@@ -15,13 +15,9 @@ How a fenced block is run, by its info string:
 - ``text`` after a command: what it printed (:func:`check_output`, the tolerance rule: every line the page shows
   must be one of the output's, ``...`` standing for lines left out; a line without digits verbatim; a line with
   numbers in the same words and layout and, with ``FEDLT_DOCS_EXACT=1``, its numbers within 2 % or 0.5 of the
-  printed ones (whichever is larger: two AVX-512 machines, the pages' and a later one with AMX, print FedAvg's
-  numbers alike but FedLoGe's apart -- 25.96 and 26.68 on docs/python-api.md, final GM 44.23 and 50.48 in
-  docs/writing-a-method.md -- whatever ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_CBWR or
-  OPENBLAS_CORETYPE say; the cause is not found, so the numbers are compared only where asked;
-  times -- a number followed by ``s``, ``ms`` or ``min`` -- are free), and any number where the test shortened the
-  command or where torch runs its plain CPU kernels, not the AVX2 / AVX-512 ones the pages were printed with
-  (``PAGE_KERNELS``);
+  printed ones (whichever is larger; times -- a number followed by ``s``, ``ms`` or ``min`` -- are free), and any
+  number without it, where the test shortened the command, or where torch runs its plain CPU kernels, not the
+  AVX2 / AVX-512 ones the pages were printed with (``PAGE_KERNELS``);
 - other ``text`` blocks (listings, transcripts): their ``fedlt`` command lines are parsed.
 
 Shortening (:func:`shorten`, pages named in ``SHORTEN``): every ``fedlt run``/``compare`` line trains one round
@@ -54,10 +50,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # either (ATEN_CPU_CAPABILITY=avx2 and avx512: every page passes). Torch's plain kernels (a CPU without AVX2, or
 # ATEN_CPU_CAPABILITY=default) round differently, and a short training run on digits lands elsewhere: GM 44.23
 # became 47.50, a few-shot 16.83 became 23.08. There a training command's numbers are not compared (its words and
-# layout still are), as for a shortened command.
-# the numbers are compared only where asked (FEDLT_DOCS_EXACT=1, on a machine like the one the pages were printed
-# on): FedLoGe's runs print other numbers on another AVX-512 machine (module docstring), so by default a shown
-# line is checked for its words and layout only
+# layout still are), as for a shortened command. And two AVX-512 machines, the pages' and a later one with AMX,
+# print FedAvg's numbers alike but FedLoGe's apart (25.96 and 26.68 on docs/python-api.md, final GM 44.23 and 50.48
+# in docs/writing-a-method.md) whatever ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_CBWR or OPENBLAS_CORETYPE say;
+# the cause is not found, so the numbers are compared only where asked (FEDLT_DOCS_EXACT=1, on a machine like the
+# pages'), and by default a shown line is checked for its words and layout.
 PAGE_KERNELS = os.environ.get("FEDLT_DOCS_EXACT") == "1" and \
     torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
