@@ -316,8 +316,9 @@ def job_result(name: str, fn, timeout: float = 3600):
 
 _STARTED: set = set()
 # files whose tests must have run before the background jobs start under xdist: a Ray cluster's start times out
-# beside five Flower deployments starting at once (seen: "The current node timed out during startup")
-QUIET_FIRST = ("test_ray.py",)
+# beside five Flower deployments starting at once (seen: "The current node timed out during startup"), and a
+# Flower simulation on Ray is slow beside them
+QUIET_FIRST = ("test_ray.py", "test_flower_simulation.py")
 _QUIET: dict[str, int] = {}  # such a file: its tests this session has yet to finish (those of the worker that runs it)
 
 
@@ -365,7 +366,7 @@ def _start_background(session, only=None) -> None:
 # the files that take longest (a Ray cluster, or many runs of a page's commands) go first under xdist (with
 # --no-loadscope-reorder, as `make test` runs it), one to each worker, so that no worker starts one of them when the
 # other has nothing left; the files whose deployments run in the background from the start go last
-FIRST = ("test_docs_pages.py", "test_ray.py", "test_docs_tutorial.py", "test_flower_simulation.py", "test_docs.py")
+FIRST = ("test_docs_pages.py", "test_ray.py", "test_flower_simulation.py", "test_docs_tutorial.py", "test_docs.py")
 LAST = ("test_secagg.py", "test_flower_deploy.py")
 
 

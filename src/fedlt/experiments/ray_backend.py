@@ -95,7 +95,8 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
                echo, counts: dict) -> list:
     """Run ``todo`` (index, PlannedRun) as Ray tasks; an overall bar and one line per finished run, as
     ``sweep._run_parallel``. Returns the runs another process held (the caller waits for them)."""
-    from ..runner.preempt import as_preempted, retake
+    from ..runner.preempt import as_preempted
+    from ..runner.raystart import start_ray
     from .sweep import _runs_bar, _settle, _where
 
     ray = require_ray()
@@ -105,12 +106,11 @@ def run_on_ray(backend: RayBackend, todo, n: int, checkpoint_every: int, threads
     started_here = not ray.is_initialized()
     if started_here:
         try:
-            ray.init(address=backend.address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            start_ray(ray, address=backend.address, include_dashboard=False, log_to_driver=False,
+                      configure_logging=False)
         except ConnectionError as e:
             raise ConfigError(f"cannot reach the Ray cluster at {backend.address}: {e}; start it (`ray start "
                               f"--head`) or give its address with --ray-address") from None
-        retake()  # ray.init's SIGTERM handler aborts the process; ours stops the sweep as a local one
     try:
         total = ray.cluster_resources()
         echo(f"running {len(todo)} runs as Ray tasks on {int(total.get('CPU', 0))} CPUs"

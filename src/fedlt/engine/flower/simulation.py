@@ -20,6 +20,7 @@ from ...config import RunConfig
 from ...errors import ConfigError
 from ...runner.rundir import run_dir_for
 from ...runner.preempt import Preempted, again, retake, stopped_without_checkpoint
+from ...runner.raystart import start_ray
 from ...runner.runstate import has_checkpoint
 
 INSTALL = "pip install 'fedlt[simulation]'"
@@ -95,9 +96,9 @@ def run_simulation(cfg: RunConfig, backend_config: dict | None = None, **flower)
 
 
 def _init_ray(init_args: dict) -> None:
-    """Start (or join) Ray as Flower's runtime would (its ``init_ray`` then finds it running), and take the
-    scheduler's signals back from it: ray.init's own SIGTERM handler aborts the process, ours stops the run with
-    one line and its checkpoint kept (:mod:`fedlt.runner.preempt`)."""
+    """Start (or join) Ray as Flower's runtime would (its ``init_ray`` then finds it running), with the workers
+    (the clients) at normal priority and the scheduler's signals back (:mod:`fedlt.runner.raystart`): ray.init's
+    own SIGTERM handler aborts the process, ours stops the run with one line and its checkpoint kept."""
     import os
     import sys
 
@@ -106,5 +107,6 @@ def _init_ray(init_args: dict) -> None:
     if not ray.is_initialized():
         path = os.pathsep.join([*sys.path, *filter(None, [os.environ.get("PYTHONPATH")])])
         os.environ["PYTHONPATH"] = path  # the actors import fedlt as this process does
-        ray.init(runtime_env={"env_vars": {"PYTHONPATH": path}}, **{"include_dashboard": False, **init_args})
-    retake()
+        start_ray(ray, runtime_env={"env_vars": {"PYTHONPATH": path}}, **{"include_dashboard": False, **init_args})
+    else:
+        retake()
