@@ -132,6 +132,45 @@ def test_same_seed_same_matrix(sse):
     assert torch.equal(fixed_classifier("sse-c", D, C, BETA, 3, **FAST), sse)
 
 
+KERNELS = ({}, {"ATEN_CPU_CAPABILITY": "default"}, {"MKL_CBWR": "COMPATIBLE"}, {"MKL_CBWR": "SSE4_2"})
+
+
+def _built_under(env: dict, precision: str) -> str:
+    """The SHA-256 of the paper's SSE-C (d 128, C 10, 10,000 Adam steps at 1e-4) built in a child process whose
+    torch and MKL kernels ``env`` sets (ATen's scalar kernels, MKL's code paths of older CPUs)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    code = ("import hashlib, torch\nfrom fedlt.core.etf import fixed_classifier\n"
+            f"W = fixed_classifier('sse-c', 128, 10, seed=0, precision={precision!r})\n"
+            "print(hashlib.sha256(W.numpy().tobytes()).hexdigest())\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    p = subprocess.run([sys.executable, "-c", code], env={**base, "OMP_NUM_THREADS": "1", **env},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return hashlib.sha256(p.stdout.encode()).hexdigest()
+
+
+def test_the_sse_c_is_the_same_matrix_under_every_cpu_kernel():
+    """Built in float64 and rounded to float32 once, the SSE-C is the same bits whichever kernels compute it, as
+    it must be for a FedLoGe run to repeat on another x86 CPU (in float32 the 10,000 Adam steps amplify the
+    kernels' last-bit differences: on an AVX-512 machine these four settings gave four different matrices)."""
+    assert len({_built_under(env, "float64") for env in KERNELS}) == 1
+
+
+def test_the_float32_sse_c_has_the_float64_ones_geometry():
+    """``precision="float32"`` (the official code's dtype) builds an SSE-C of the same quality: norms and angles
+    within a small fraction of their gap to the dense ETF."""
+    a = etf_report(fixed_classifier("sse-c", D, C, BETA, 3, **FAST))
+    b = etf_report(fixed_classifier("sse-c", D, C, BETA, 3, precision="float32", **FAST))
+    assert a["sparsity"] == b["sparsity"] == pytest.approx(BETA)
+    assert a["norm_mean"] == pytest.approx(b["norm_mean"], abs=1e-4)
+    assert a["cos_max"] == pytest.approx(b["cos_max"], abs=1e-4)
+    assert a["angle_mean_deg"] == pytest.approx(b["angle_mean_deg"], abs=1e-3)
+
+
 def test_global_rng_untouched():
     torch.manual_seed(0)
     state = torch.get_rng_state()
@@ -185,6 +224,10 @@ def test_bad_options():
         fixed_classifier("xavier", D, C, gamma=1.0)
     with pytest.raises(ConfigError, match="basis"):
         fixed_classifier("xavier", D, C, basis="uniform")
+    with pytest.raises(ConfigError, match="precision 'float16'.*float64, float32"):
+        fixed_classifier("sse-c", D, C, precision="float16")
+    with pytest.raises(ConfigError, match="refine"):
+        fixed_classifier("etf", D, C, precision="float32")
     with pytest.raises(ConfigError, match="no non-zero"):
         fixed_classifier("sse-c", 4, 3, beta=0.95, seed=0, steps=5)
 

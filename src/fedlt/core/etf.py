@@ -41,6 +41,18 @@ code also leaves a *random frozen bias* on the SSE-C ``nn.Linear``; that is the 
 returns only the weight). Masking: the optimised tensor is ``P * mask``, so pruned entries are exactly zero
 whatever the optimiser does.
 
+Precision. The 10,000 Adam steps run in float64 (``precision="float64"``, the default) and the result is rounded
+to float32 once. In float32 (``precision="float32"``, torch's default dtype, which the official code uses) the
+steps amplify the last-bit differences between kernels: the matrix, and so every FedLoGe run after it, differs
+between x86 CPUs (and between ``ATEN_CPU_CAPABILITY`` / ``MKL_CBWR`` settings of one CPU); two AVX-512 machines
+printed FedAvg's runs alike and FedLoGe's apart. In float64 the differences stay below float32's rounding: on one
+AVX-512 CPU, native, ``MKL_CBWR`` COMPATIBLE / AVX2 / SSE4_2 and ``ATEN_CPU_CAPABILITY=default`` gave the same
+float32 bits for d x C = 128 x 10, 200 x 10 and 512 x 100, where in float32 each setting gave another matrix
+(128 x 10, 200 x 10; ``tests/test_etf.py`` checks four of them). Either precision gives an SSE-C
+of the same quality: at d 512, C 100 (``benchmarks/sse_c_construction.py --precision``) mean angle 90.5783 degrees
+in both (the ETF's 90.5788), norms within 3e-5 of 1; float64 took 19.7 s there, float32 15.6 s (2-core CPU), once
+per setting (the matrix is cached on disk).
+
 Table 9 initialisations (``fixed_classifier`` kinds) mirror the ``torch.nn.init`` defaults whose names the
 table uses (the paper gives no scales): ``xavier`` = xavier_uniform (gain 1, bound sqrt(6/(d+C))),
 ``gaussian`` = N(0, 1), ``uniform`` = U(0, 1), ``orthogonal`` = orthonormal rows (gain 1),
@@ -67,6 +79,7 @@ from ..safefile import load_tree, save_tree
 __all__ = [
     "KINDS",
     "VARIANTS",
+    "PRECISIONS",
     "SSE_STEPS",
     "SSE_LR",
     "FORMAT_VERSION",
@@ -94,6 +107,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 SSE_STEPS = 10_000
 SSE_LR = 1e-4
 OPTIMIZERS = ("adam", "sgd")
+PRECISIONS = {"float64": torch.float64, "float32": torch.float32}  # the refinement's dtype (module docstring)
 BASES = ("gaussian", "uniform")
 COS_CLAMP = 0.99999
 _SINGLE_THREAD_MAX_C = 256
@@ -324,11 +338,13 @@ def sparse_etf(
     dtype: torch.dtype = torch.float32,
     log_every: int = 0,
     threads: int | None = None,
+    precision: str = "float64",
 ) -> torch.Tensor:
     """SSE-C: a sparse ETF, ``[C, d]``, FedLoGe Sec. 3.2 (see the module docstring for the details).
 
     Dense ETF (``basis``) -> zero ``round(beta*d*C)`` random entries -> ``steps`` of ``optimizer`` at ``lr`` on
-    the surviving entries with the equal-norm (target ``gamma``) + max-min-angle loss.
+    the surviving entries with the equal-norm (target ``gamma``) + max-min-angle loss, computed in ``precision``,
+    returned in ``dtype``.
     ``variant`` sets the defaults of ``gamma`` / ``basis`` / rounding: ``"paper"`` (gamma 1.0, Gaussian
     basis, round) or ``"official"`` (gamma 0.1, U[0,1) basis, floor); explicit ``gamma``/``basis`` win.
     """
@@ -339,9 +355,8 @@ def sparse_etf(
     basis = v["basis"] if basis is None else basis
     W = simplex_etf(d, C, seed=seed, basis=basis, dtype=torch.float64)
     mask = random_mask(C, d, beta, seed=seed, rounding=v["rounding"])
-    W = refine_fixed_classifier(
-        W, mask, gamma=gamma, steps=steps, lr=lr, optimizer=optimizer, dtype=dtype, log_every=log_every, threads=threads
-    )
+    W = refine_fixed_classifier(W, mask, gamma=gamma, steps=steps, lr=lr, optimizer=optimizer,
+                                dtype=_precision(precision), log_every=log_every, threads=threads)
     return W.to(dtype)
 
 
@@ -375,7 +390,14 @@ def init_classifier(kind: str, d: int, C: int, seed: int = 0, basis: str = "gaus
     raise ConfigError(f"unknown fixed classifier {kind!r}; choose one of: {', '.join(KINDS)}")
 
 
-_OPTS = ("variant", "gamma", "basis", "refine", "steps", "lr", "optimizer")
+_OPTS = ("variant", "gamma", "basis", "refine", "steps", "lr", "optimizer", "precision")
+
+
+def _precision(name: str) -> torch.dtype:
+    if name not in PRECISIONS:
+        raise ConfigError(f"unknown precision {name!r} for the fixed classifier's refinement; choose one of: "
+                          f"{', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
 
 
 def resolve_spec(kind: str, d: int, C: int, beta: float | None = None, seed: int = 0, **opts) -> dict:
@@ -383,7 +405,8 @@ def resolve_spec(kind: str, d: int, C: int, beta: float | None = None, seed: int
 
     Options: ``variant`` ("paper"/"official"), ``gamma``, ``basis`` (ETF kinds only), ``refine`` (run the
     SSE-C optimisation; default True for "sse-c", False otherwise), ``steps`` (``SSE_STEPS``), ``lr`` (``SSE_LR``),
-    ``optimizer`` ("adam"/"sgd"). ``beta`` defaults to 0.6 for "sse-c" and 0 (dense) for the others.
+    ``optimizer`` ("adam"/"sgd"), ``precision`` of the refinement ("float64"/"float32", module docstring).
+    ``beta`` defaults to 0.6 for "sse-c" and 0 (dense) for the others.
     """
     if kind not in KINDS:
         raise ConfigError(f"unknown fixed classifier {kind!r}; choose one of: {', '.join(KINDS)}")
@@ -427,9 +450,11 @@ def resolve_spec(kind: str, d: int, C: int, beta: float | None = None, seed: int
             steps=int(opts.get("steps", SSE_STEPS)),
             lr=float(opts.get("lr", SSE_LR)),
             optimizer=opt,
+            precision=opts.get("precision", "float64"),
         )
+        _precision(spec["precision"])
     else:
-        ignored = [k for k in ("gamma", "steps", "lr", "optimizer") if k in opts]
+        ignored = [k for k in ("gamma", "steps", "lr", "optimizer", "precision") if k in opts]
         if ignored:
             raise ConfigError(f"option(s) {', '.join(ignored)} only apply with refine=True (kind {kind!r})")
     return spec
@@ -442,9 +467,8 @@ def _build_from_spec(spec: dict) -> torch.Tensor:
         mask = random_mask(spec["C"], spec["d"], spec["beta"], seed=spec["seed"], rounding=spec["rounding"])
         W = W * mask
     if spec["refine"]:
-        W = refine_fixed_classifier(
-            W, mask, gamma=spec["gamma"], steps=spec["steps"], lr=spec["lr"], optimizer=spec["optimizer"]
-        )
+        W = refine_fixed_classifier(W, mask, gamma=spec["gamma"], steps=spec["steps"], lr=spec["lr"],
+                                    optimizer=spec["optimizer"], dtype=_precision(spec["precision"]))
     return W.to(torch.float32).contiguous()
 
 

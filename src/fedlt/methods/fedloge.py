@@ -44,6 +44,9 @@ Paper vs. official code (ZackZikaiXiao/FedLoGe, read at commit f4cac52)
 SSE-C norm target gamma    1.0 (sensitivity section)                    0.1 (``sse_variant=official`` or gamma=0.1;
                                                                         the code's "tau" is this gamma)
 SSE-C bias                 none                                         frozen random bias (``fixed_bias=true``)
+SSE-C's Adam steps in      unspecified; here float64, rounded to        float32 (torch's default;
+                           float32 once: the same matrix on every       ``sse_precision=float32``): its bits, and
+                           x86 CPU (``fedlt.core.etf``)                 so the run's, depend on the CPU's kernels
 GA-FR                      psi_c / ||psi_c||, no bias (Eq. 6)           1.7 psi_c / ||psi_c|| + b_psi
                                                                         (``realign=official``; 1.7 matters only
                                                                         because the bias is kept)
@@ -137,6 +140,9 @@ class FedLoGe(Method):
         sse_steps: int = setting(SSE_STEPS, "Adam steps of the SSE-C construction (official: 10,000)", low=0,
                                  limit=10**6)
         sse_lr: float = setting(SSE_LR, "its learning rate (official: 1e-4)", low=0, low_open=True)
+        sse_precision: str = setting("float64", "dtype of those steps: float64 (the same matrix on every CPU) | "
+                                                "float32 (official code; its bits depend on the CPU's kernels)",
+                                     choices=("float64", "float32"))
         fixed_bias: bool = setting(False, "official code: a frozen random bias U(-1/sqrt(d), 1/sqrt(d)) on the SSE-C")
         send_fixed: bool = setting(False, "ship the matrix once per client instead of deriving it from the seed")
         # stage 1: optimisers (backbone: the run's lr/momentum; re-created every round, like the official code)
@@ -196,7 +202,7 @@ class FedLoGe(Method):
         refine = {"auto": p.fixed == "sse-c" or sparse, "true": True, "false": False}[p.refine]
         opts: dict = {"variant": p.sse_variant, "refine": refine}
         if refine:
-            opts.update(steps=p.sse_steps, lr=p.sse_lr)
+            opts.update(steps=p.sse_steps, lr=p.sse_lr, precision=p.sse_precision)
             if p.gamma is not None:
                 opts["gamma"] = p.gamma
         return p.fixed, p.beta, opts
