@@ -162,13 +162,17 @@ def test_the_sse_c_is_the_same_matrix_under_every_cpu_kernel():
 
 def test_the_float32_sse_c_has_the_float64_ones_geometry():
     """``precision="float32"`` (the official code's dtype) builds an SSE-C of the same quality: norms and angles
-    within a small fraction of their gap to the dense ETF."""
+    apart by a small fraction of what the refinement moved them (the sparsified ETF's nearest-neighbour cosine
+    starts about 0.3 above the ETF's)."""
+    start = etf_report(fixed_classifier("sse-c", D, C, BETA, 3, steps=0))
     a = etf_report(fixed_classifier("sse-c", D, C, BETA, 3, **FAST))
     b = etf_report(fixed_classifier("sse-c", D, C, BETA, 3, precision="float32", **FAST))
+    gap = start["cos_max"] - a["etf_cos"]
+    assert gap > 0.2
     assert a["sparsity"] == b["sparsity"] == pytest.approx(BETA)
-    assert a["norm_mean"] == pytest.approx(b["norm_mean"], abs=1e-4)
-    assert a["cos_max"] == pytest.approx(b["cos_max"], abs=1e-4)
-    assert a["angle_mean_deg"] == pytest.approx(b["angle_mean_deg"], abs=1e-3)
+    assert a["norm_mean"] == pytest.approx(b["norm_mean"], abs=1e-3)
+    assert abs(a["cos_max"] - b["cos_max"]) < 0.01 * gap
+    assert abs(a["angle_mean_deg"] - b["angle_mean_deg"]) < 0.05
 
 
 def test_global_rng_untouched():
