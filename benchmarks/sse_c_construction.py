@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from fedlt.core.etf import etf_report, resolve_spec, sparse_etf
+from fedlt.core.etf import PRECISIONS, SSE_PRECISION, etf_report, resolve_spec, sparse_etf
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--variant", default="paper", choices=["paper", "official"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--precision", default="float64", choices=["float64", "float32"])
+    ap.add_argument("--precision", default=SSE_PRECISION, choices=list(PRECISIONS))
     ap.add_argument("--threads", type=int, default=None,
                     help="threads for the refinement loop (default: the library's choice, 1 thread for C <= 256)")
     args = ap.parse_args()

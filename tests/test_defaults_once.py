@@ -47,10 +47,11 @@ def test_fedloges_sse_c_defaults_are_the_etf_modules():
 
     fields = {f.name: f.default for f in dataclasses.fields(FedLoGe.Params)}
     assert (fields["sse_steps"], fields["sse_lr"]) == (etf.SSE_STEPS, etf.SSE_LR) == (10_000, 1e-4)
+    assert fields["sse_precision"] == etf.SSE_PRECISION == default(etf.sparse_etf, "precision") == "float64"
     for fn in (etf.refine_fixed_classifier, etf.sparse_etf):
         assert (default(fn, "steps"), default(fn, "lr")) == (etf.SSE_STEPS, etf.SSE_LR), fn.__name__
     spec = etf.resolve_spec("sse-c", 16, 4)
-    assert (spec["steps"], spec["lr"]) == (etf.SSE_STEPS, etf.SSE_LR)
+    assert (spec["steps"], spec["lr"], spec["precision"]) == (etf.SSE_STEPS, etf.SSE_LR, etf.SSE_PRECISION)
 
 
 def test_the_spec_and_the_engine_config_restate_no_setting():

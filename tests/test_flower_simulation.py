@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fedlt.cli import main as cli_main
+from fedlt.runner.raystart import NICENESS
 
 from conftest import dies_in_round
 
@@ -30,7 +31,7 @@ def _records(d):
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "FEDLT_TENSORBOARD": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-ENV.pop("RAY_worker_niceness", None)
+ENV.pop(NICENESS, None)  # fedlt's own default is what the niceness test checks
 
 
 def _simulated_like(want, args) -> tuple[dict, dict]:

@@ -82,6 +82,7 @@ __all__ = [
     "PRECISIONS",
     "SSE_STEPS",
     "SSE_LR",
+    "SSE_PRECISION",
     "FORMAT_VERSION",
     "simplex_etf",
     "random_mask",
@@ -103,9 +104,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "official": {"gamma": 0.1, "basis": "uniform", "rounding": "floor"},
 }
 # the SSE-C optimisation's defaults (FedLoGe Sec. 3.2 and the official code: Adam, 10,000 full-batch steps at lr
-# 1e-4): the one place they are written; fedlt.methods.fedloge's sse_steps / sse_lr default to them
+# 1e-4), and the dtype of those steps (module docstring, "Precision"): the one place they are written;
+# fedlt.methods.fedloge's sse_steps / sse_lr / sse_precision default to them
 SSE_STEPS = 10_000
 SSE_LR = 1e-4
+SSE_PRECISION = "float64"
 OPTIMIZERS = ("adam", "sgd")
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32}  # the refinement's dtype (module docstring)
 BASES = ("gaussian", "uniform")
@@ -338,7 +341,7 @@ def sparse_etf(
     dtype: torch.dtype = torch.float32,
     log_every: int = 0,
     threads: int | None = None,
-    precision: str = "float64",
+    precision: str = SSE_PRECISION,
 ) -> torch.Tensor:
     """SSE-C: a sparse ETF, ``[C, d]``, FedLoGe Sec. 3.2 (see the module docstring for the details).
 
@@ -450,7 +453,7 @@ def resolve_spec(kind: str, d: int, C: int, beta: float | None = None, seed: int
             steps=int(opts.get("steps", SSE_STEPS)),
             lr=float(opts.get("lr", SSE_LR)),
             optimizer=opt,
-            precision=opts.get("precision", "float64"),
+            precision=opts.get("precision", SSE_PRECISION),
         )
         _precision(spec["precision"])
     else:

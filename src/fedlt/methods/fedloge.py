@@ -84,7 +84,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import LocalSteps, Message, Meter, Method, Predictor, Train, derive_seed, load_weights
-from ..core.etf import KINDS, SSE_LR, SSE_STEPS, cached_fixed_classifier, etf_report
+from ..core.etf import KINDS, PRECISIONS, SSE_LR, SSE_PRECISION, SSE_STEPS, cached_fixed_classifier, etf_report
 from ..core.losses import linear_heads_ce, masked_logits
 from ..core.personal import personal_net
 from ..core.privacy import MODEL, sent
@@ -140,9 +140,9 @@ class FedLoGe(Method):
         sse_steps: int = setting(SSE_STEPS, "Adam steps of the SSE-C construction (official: 10,000)", low=0,
                                  limit=10**6)
         sse_lr: float = setting(SSE_LR, "its learning rate (official: 1e-4)", low=0, low_open=True)
-        sse_precision: str = setting("float64", "dtype of those steps: float64 (the same matrix on every CPU) | "
+        sse_precision: str = setting(SSE_PRECISION, "dtype of those steps: float64 (the same matrix on every CPU) | "
                                                 "float32 (official code; its bits depend on the CPU's kernels)",
-                                     choices=("float64", "float32"))
+                                     choices=tuple(PRECISIONS))
         fixed_bias: bool = setting(False, "official code: a frozen random bias U(-1/sqrt(d), 1/sqrt(d)) on the SSE-C")
         send_fixed: bool = setting(False, "ship the matrix once per client instead of deriving it from the seed")
         # stage 1: optimisers (backbone: the run's lr/momentum; re-created every round, like the official code)
