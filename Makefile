@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 DEMO_EXTRAS ?= report
-TEST_EXTRAS ?= test,report,flower,docs,ray,simulation,mlflow,wandb,tensorboard,flwr-datasets,privacy
+TEST_EXTRAS ?= test,report,flower,docs,ray,simulation,mlflow,wandb,tensorboard,flwr-datasets,privacy,pretrained
 DOCS_EXTRAS ?= docs
 SUDO    := $(shell [ "$$(id -u)" = "0" ] || echo sudo)
 FMNIST  := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
