@@ -8,6 +8,8 @@ bit for bit where the default did not change:
   backbone is the aggregate either way.
 - FedCRAC ``calib_chunks``: ``official`` sums each chunk's mean loss / 4 over the bounds range(0, N, N // 4) + [N]
   and takes one step (N % 4 != 0 here, where it differs from ``full``, the full-batch mean, the default).
+- FedCRAC ``crt_weight_decay`` (issue 55, item 7): ``none`` steps the calibration's SGD with the run's weight
+  decay, as the official ``SGD(..., weight_decay=args.wd, nesterov=True)`` does; 0 (default) with none.
 - FedGPA ``double_weight``: the gradient is w^2 (sigmoid(z) - t) / B as before, the loss's (logged) value now the
   official sum(w BCE) / B.
 """
@@ -33,12 +35,12 @@ def official_logits(W, M, h, y, s=5.0):
     return s * torch.where(~label, z + M[y], z)
 
 
-def official_retrain(W0, M, h, y, steps, lr, chunked, reduction="batchmean", a=0.5, T=0.5):
+def official_retrain(W0, M, h, y, steps, lr, chunked, reduction="batchmean", a=0.5, T=0.5, wd=0.0):
     """Server.retrain: student and teacher from W0; per epoch zero_grad, for each chunk loss_fn_kd(chunk) / 4 and
-    backward (gradients accumulate), then one SGD step (momentum 0.9, Nesterov). ``chunked=False``: one chunk of
-    all N samples, not divided by 4 (the paper's full-batch mean)."""
+    backward (gradients accumulate), then one SGD step (momentum 0.9, Nesterov, weight_decay=args.wd, here ``wd``).
+    ``chunked=False``: one chunk of all N samples, not divided by 4 (the paper's full-batch mean)."""
     W = W0.clone().requires_grad_(True)
-    opt = torch.optim.SGD([W], lr=lr, momentum=0.9, nesterov=True)
+    opt = torch.optim.SGD([W], lr=lr, momentum=0.9, nesterov=True, weight_decay=wd)
     N = len(y)
     bounds = list(range(0, N, N // 4)) + [N] if chunked else [0, N]
     div = 4 if chunked else 1
@@ -113,47 +115,75 @@ def test_fedcrac_calibration_chunks_official_matches_the_official_loop_and_full_
         calibrate(W, M, h, y, 1, lr, 5.0, chunks="four")
 
 
-def crac(C, **params):
+def crac(C, weight_decay=0.0, **params):
     M = METHODS.get("fedcrac")
-    return M(RunSpec("smallcnn", (1, 8, 8), C, seed=3), M.make_params({"crt_epochs": 20, "crt_lr": 0.05, **params}))
+    return M(RunSpec("smallcnn", (1, 8, 8), C, seed=3, weight_decay=weight_decay),
+             M.make_params({"crt_epochs": 20, "crt_lr": 0.05, **params}))
 
 
-def test_fedcrac_calibration_starts_from_the_previous_classifier_with_calib_start_previous():
+def crac_round(m, start):
+    """One aggregation of ``m`` (3 classes) over two clients' replies, and independently what the official
+    retrain() calibrates: the n_k-weighted FedAvg, count-weighted class means, M = cos, the pseudo representations
+    the class means (variance 0), N_c = sum_k n_{k,c} of them in class order. Returns the new weights, the
+    aggregate, and (W0, M, h, y) of the calibration (W0 by ``start``)."""
     C, counts = 3, [(5, 3, 0), (2, 0, 6)]  # N = 16: official chunks of 4
     g = torch.Generator().manual_seed(1)
     d = 128
     means = [torch.randn(C, d, generator=g) for _ in counts]
+    state = m.init_server()
+    state["weights"]["head.weight"] = torch.randn(C, d, generator=torch.Generator().manual_seed(2)) * 0.1
+    broadcast = {k: v.clone() for k, v in state["weights"].items()}
+    replies = []
+    for k, (n, mu) in enumerate(zip(counts, means)):
+        gk = torch.Generator().manual_seed(10 + k)
+        w = {key: v + 0.1 * torch.randn(v.shape, generator=gk) for key, v in broadcast.items()}
+        n = torch.tensor(n, dtype=torch.float32)
+        arrays = {**w, "fedcrac.count": n, "fedcrac.mean": mu, "fedcrac.var": torch.zeros(C, d),
+                  "fedcrac.stat": n >= 2}
+        replies.append((k, Message(arrays, {"num_examples": int(n.sum())})))
+    new = m.aggregate(state, 1, replies)
+    sizes = [float(sum(n)) for n in counts]
+    avg = {key: sum(s * r.arrays[key] for s, (_, r) in zip(sizes, replies)) / sum(sizes) for key in broadcast}
+    n = torch.tensor(counts, dtype=torch.float32)  # [K, C]
+    mean = (n[..., None] * torch.stack(means)).sum(0) / n.sum(0)[:, None]
+    Mg = F.cosine_similarity(mean[:, None], mean[None], dim=2)
+    y = torch.arange(C).repeat_interleave(n.sum(0).long())
+    W0 = broadcast["head.weight"] if start == "previous" else avg["head.weight"]
+    return new["weights"], avg, (W0, Mg, mean[y], y)
+
+
+def test_fedcrac_calibration_starts_from_the_previous_classifier_with_calib_start_previous():
     out = {}
     for start in ("aggregate", "previous"):
-        m = crac(C, calib_start=start)
-        state = m.init_server()
-        state["weights"]["head.weight"] = torch.randn(C, d, generator=torch.Generator().manual_seed(2)) * 0.1
-        broadcast = {k: v.clone() for k, v in state["weights"].items()}
-        replies = []
-        for k, (n, mu) in enumerate(zip(counts, means)):
-            gk = torch.Generator().manual_seed(10 + k)
-            w = {key: v + 0.1 * torch.randn(v.shape, generator=gk) for key, v in broadcast.items()}
-            n = torch.tensor(n, dtype=torch.float32)
-            arrays = {**w, "fedcrac.count": n, "fedcrac.mean": mu, "fedcrac.var": torch.zeros(C, d),
-                      "fedcrac.stat": n >= 2}
-            replies.append((k, Message(arrays, {"num_examples": int(n.sum())})))
-        new = m.aggregate(state, 1, replies)
-        # independently: n_k-weighted FedAvg, count-weighted class means, M = cos, the pseudo representations are
-        # the class means (variance 0), N_c = sum_k n_{k,c} of them in class order
-        sizes = [float(sum(n)) for n in counts]
-        avg = {key: sum(s * r.arrays[key] for s, (_, r) in zip(sizes, replies)) / sum(sizes) for key in broadcast}
-        n = torch.tensor(counts, dtype=torch.float32)  # [K, C]
-        mean = (n[..., None] * torch.stack(means)).sum(0) / n.sum(0)[:, None]
-        Mg = F.cosine_similarity(mean[:, None], mean[None], dim=2)
-        y = torch.arange(C).repeat_interleave(n.sum(0).long())
-        W0 = broadcast["head.weight"] if start == "previous" else avg["head.weight"]
-        want = official_retrain(W0, Mg, mean[y], y, 20, 0.05, chunked=False)
-        assert torch.allclose(new["weights"]["head.weight"], want, atol=1e-5)
-        for key in broadcast:  # the backbone is the aggregate either way
+        new, avg, calib = crac_round(crac(3, calib_start=start), start)
+        assert torch.allclose(new["head.weight"], official_retrain(*calib, 20, 0.05, chunked=False), atol=1e-5)
+        for key in avg:  # the backbone is the aggregate either way
             if key != "head.weight":
-                assert torch.allclose(new["weights"][key], avg[key], atol=1e-6)
-        out[start] = new["weights"]["head.weight"]
+                assert torch.allclose(new[key], avg[key], atol=1e-6)
+        out[start] = new["head.weight"]
     assert (out["previous"] - out["aggregate"]).abs().max() > 0.01
+
+
+def test_fedcrac_crt_weight_decay_none_is_the_official_sgd_with_the_runs_weight_decay():
+    """Issue 55, item 7: the official retrain() steps SGD(..., weight_decay=args.wd, nesterov=True), the run's
+    weight decay; the paper's calibration (the default, ``crt_weight_decay=0``) none."""
+    from fedlt.methods.fedcrac import calibrate
+
+    W, M, h, y = toy_calibration()
+    steps, lr, wd = 30, 0.05, 5e-4
+    for chunked, chunks in ((False, "full"), (True, "official")):
+        ref = official_retrain(W, M, h, y, steps, lr, chunked=chunked, wd=wd)
+        assert torch.allclose(calibrate(W, M, h, y, steps, lr, 5.0, chunks=chunks, weight_decay=wd), ref, atol=1e-6)
+        # without it: 4e-3 apart after 30 steps, decay's lr wd W summed with momentum (|W| <= 0.95)
+        assert (calibrate(W, M, h, y, steps, lr, 5.0, chunks=chunks) - ref).abs().max() > 1e-3
+    # the method: crt_weight_decay=none takes the run's --weight-decay; the default (0) ignores it; a value is used
+    runs = {(None, wd): wd, (0.0, wd): 0.0, (wd, 0.0): wd}
+    for (crt_wd, run_wd), want in runs.items():
+        new, _, calib = crac_round(crac(3, weight_decay=run_wd, crt_weight_decay=crt_wd), "aggregate")
+        ref = official_retrain(*calib, 20, 0.05, chunked=False, wd=want)
+        assert torch.allclose(new["head.weight"], ref, atol=1e-5), (crt_wd, run_wd)
+    assert METHODS.get("fedcrac").make_params({}).crt_weight_decay == 0.0
+    assert METHODS.get("fedcrac").make_params({"crt_weight_decay": "none"}).crt_weight_decay is None
 
 
 def test_fedcrac_options_refuse_unknown_values():

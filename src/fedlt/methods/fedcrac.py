@@ -16,7 +16,7 @@ Server:
   4. Self Distillation Classifier Calibration: N_c = sum_k n_{k,c} pseudo representations of class c drawn from
      N(mu_c, diag v_c); the teacher is the aggregated W (frozen; ``calib_start=previous``: the W broadcast this
      round), the student starts from it; ``crt_epochs`` full-batch steps of SGD (lr ``crt_lr``, by default the
-     round's local lr, momentum 0.9, Nesterov) on
+     round's local lr, momentum 0.9, Nesterov, no weight decay) on
         (1 - a) CE(o, y) + a T^2 KL(softmax(o_T / T) || softmax(o / T))      (a = 0.5, T = 0.5)
      where o and o_T are the student's and the teacher's margin logits s (W h + M[y] (1 - e_y)).
   5. The calibrated W replaces the aggregated one: it is the broadcast and the inference classifier.
@@ -60,6 +60,10 @@ calibration loss per step  one full-batch mean (``calib_chunks=full``)  each ste
                                                                         (``calib_chunks=official``; for N < 4,
                                                                         where N // 4 = 0 stops the official code,
                                                                         chunks of one sample)
+calibration weight decay   none (``crt_weight_decay=0``)                ``SGD(..., weight_decay=args.wd)``, the
+                                                                        run's weight decay, as local training
+                                                                        has it (``crt_weight_decay=none``; 0 by
+                                                                        the official default, where the two agree)
 =========================  ===========================================  ==========================================
 The paper's full text could not be read here (its abstract: a Class Similarity-Aware Margin matrix "to enlarge
 class representation discrepancy" and a Self Distillation Classifier Calibration "with the assistance of
@@ -112,16 +116,17 @@ def official_chunks(n: int) -> list[int]:
 
 def calibrate(weight: torch.Tensor, margin: torch.Tensor, feats: torch.Tensor, labels: torch.Tensor, steps: int,
               lr: float, scale: float, alpha: float = 0.5, T: float = 0.5, reduction: str = "batchmean",
-              chunks: str = "full") -> torch.Tensor:
+              chunks: str = "full", weight_decay: float = 0.0) -> torch.Tensor:
     """Self-distillation calibration: the classifier ``weight`` [C, d] trained for ``steps`` full-batch steps
-    (SGD, momentum 0.9, Nesterov) on (1 - alpha) CE + alpha T^2 KL towards the frozen ``weight`` itself, both on
-    margin logits of the pseudo representations. ``chunks``: ``full``, the loss is the mean over all of them;
-    ``official``, the sum over :func:`official_chunks` of each chunk's mean, divided by 4 (the official code
-    accumulates the chunks' gradients and takes one step: the same step)."""
+    (SGD, momentum 0.9, Nesterov, ``weight_decay``: 0 the paper's, the run's the official code's) on
+    (1 - alpha) CE + alpha T^2 KL towards the frozen ``weight`` itself, both on margin logits of the pseudo
+    representations. ``chunks``: ``full``, the loss is the mean over all of them; ``official``, the sum over
+    :func:`official_chunks` of each chunk's mean, divided by 4 (the official code accumulates the chunks'
+    gradients and takes one step: the same step)."""
     if chunks not in CALIB_CHUNKS:
         raise ConfigError(f"fedcrac calibration chunks must be one of {', '.join(CALIB_CHUNKS)}, not {chunks!r}")
     W = weight.detach().clone().requires_grad_(True)
-    opt = torch.optim.SGD([W], lr=lr, momentum=0.9, nesterov=True)
+    opt = torch.optim.SGD([W], lr=lr, momentum=0.9, nesterov=True, weight_decay=weight_decay)
     with torch.no_grad():
         teacher = F.softmax(margin_logits(feats, weight, margin, labels, scale) / T, 1)
     bounds = official_chunks(feats.shape[0])
@@ -162,6 +167,9 @@ class FedCRAC(Method):
         calib_chunks: str = setting("full", "calibration loss per step: full (one full-batch mean) | official (the "
                                     "sum over the chunks range(0, N, N // 4) + [N] of each chunk's mean, / 4)",
                                     choices=CALIB_CHUNKS)
+        crt_weight_decay: float | None = setting(0.0, "weight decay of the calibration's SGD (none: the run's "
+                                                 "--weight-decay, as the official retrain()'s args.wd)", low=0,
+                                                 none_means="the run's --weight-decay (official: --wd)")
 
     @dataclass
     class State(Method.State):
@@ -226,7 +234,8 @@ class FedCRAC(Method):
                 head = calibrate(
                     head, state.margin, torch.cat(feats), torch.cat(labels),
                     p.crt_epochs, self.spec.lr_at(rnd) if p.crt_lr is None else float(p.crt_lr), p.scale, p.kd_alpha, p.kd_T,
-                    p.kd_reduction, p.calib_chunks)
+                    p.kd_reduction, p.calib_chunks,
+                    self.spec.weight_decay if p.crt_weight_decay is None else float(p.crt_weight_decay))
         state.weights["head.weight"] = head
         return state
 
