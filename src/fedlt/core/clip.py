@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.transforms import to_model_input
 from ..errors import ConfigError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -143,22 +144,7 @@ def load_text_embeddings(path: str, num_classes: int, device="cpu") -> torch.Ten
 
 
 def clip_input(x: torch.Tensor, mean, std, resolution: int) -> torch.Tensor:
-    """A batch normalised with the dataset's ``mean``/``std`` -> CLIP's input (:func:`tower_input` with CLIP's
-    normalisation)."""
-    return tower_input(x, mean, std, resolution, CLIP_MEAN, CLIP_STD)
+    """A batch normalised with the dataset's ``mean``/``std`` -> CLIP's input (``fedlt.data.transforms.to_model_input``
+    with CLIP's normalisation)."""
+    return to_model_input(x, mean, std, resolution, CLIP_MEAN, CLIP_STD)
 
-
-def tower_input(x: torch.Tensor, mean, std, resolution: int, out_mean, out_std) -> torch.Tensor:
-    """A batch normalised with the dataset's ``mean``/``std`` -> a pre-trained image tower's input: back to
-    [0, 1], grey to RGB, bicubic resize to ``resolution``, then normalised
-    with the tower's ``out_mean``/``out_std``."""
-    dev = x.device
-    m = torch.tensor(mean, dtype=x.dtype, device=dev).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=x.dtype, device=dev).view(1, -1, 1, 1)
-    img = (x * s + m).clamp(0, 1)
-    if img.shape[1] == 1:
-        img = img.expand(-1, 3, -1, -1)
-    img = F.interpolate(img, size=(resolution, resolution), mode="bicubic", align_corners=False)
-    cm = torch.tensor(out_mean, dtype=x.dtype, device=dev).view(1, 3, 1, 1)
-    cs = torch.tensor(out_std, dtype=x.dtype, device=dev).view(1, 3, 1, 1)
-    return (img - cm) / cs

@@ -198,7 +198,8 @@ class Method:
         """The initial model: identical on every process (seeded by the run seed), on the run's device, in
         channels_last memory format where that is asked for (see ``RunSpec.channels_last``)."""
         s = self.spec
-        m = build_model(s.model, s.in_shape, s.num_classes, seed=s.seed).to(s.device)
+        m = build_model(s.model, s.in_shape, s.num_classes, seed=s.seed,
+                        input_norm=(s.data.get("input_mean"), s.data.get("input_std"))).to(s.device)
         conv = any(isinstance(x, nn.Conv2d) for x in m.modules())
         auto = torch.device(s.device).type == "cuda" and s.precision != "fp32" and conv
         if s.channels_last == "on" or (s.channels_last == "auto" and auto):

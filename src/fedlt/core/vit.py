@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .clip import frozen_tower, read_safetensors, require, tower_input
+from ..data.transforms import to_model_input
+from .clip import frozen_tower, read_safetensors, require
 
 
 class Block(nn.Module):
@@ -105,4 +106,4 @@ class PromptedViT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mean, std, vit_mean, vit_std = self.norms
-        return self.tower(tower_input(x, mean, std, self.tower.resolution, vit_mean, vit_std), self.prompts)
+        return self.tower(to_model_input(x, mean, std, self.tower.resolution, vit_mean, vit_std), self.prompts)

@@ -1,5 +1,6 @@
-"""Batched tensor transforms: normalisation, CIFAR augmentation (random crop with padding, flip) and ImageNet-style
-augmentation (random resized crop, flip; a centre crop for evaluation), all on whole uint8 batches."""
+"""Batched tensor transforms: normalisation, CIFAR augmentation (random crop with padding, flip), ImageNet-style
+augmentation (random resized crop, flip; a centre crop for evaluation), all on whole uint8 batches, and the input
+of a pre-trained model (:func:`to_model_input`: its size, channels and normalisation)."""
 from __future__ import annotations
 
 import torch
@@ -13,6 +14,26 @@ def to_float(x: torch.Tensor, mean, std) -> torch.Tensor:
     m = torch.as_tensor(mean, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
     s = torch.as_tensor(std, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
     return (x.float().div_(255.0) - m) / s
+
+
+def to_model_input(x: torch.Tensor, mean, std, size, out_mean, out_std, mode: str = "bicubic") -> torch.Tensor:
+    """A batch normalised with the dataset's ``mean``/``std`` -> a pre-trained model's input: back to [0, 1], grey
+    repeated to 3 channels, resized (``mode``: bicubic or bilinear, as the model's preprocessor) to ``size`` (an
+    int or ``(height, width)``; kept where the batch has it already), then normalised with the model's
+    ``out_mean``/``out_std``. Used by every pre-trained backbone (``fedlt.pretrained``, FedGPA's ViT, CLIP2FL's
+    tower), on the batch's device."""
+    dev = x.device
+    m = torch.tensor(mean, dtype=x.dtype, device=dev).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=x.dtype, device=dev).view(1, -1, 1, 1)
+    img = (x * s + m).clamp(0, 1)
+    if img.shape[1] == 1:
+        img = img.expand(-1, len(out_mean), -1, -1)
+    hw = (size, size) if isinstance(size, int) else tuple(size)
+    if tuple(img.shape[-2:]) != hw:
+        img = torch.nn.functional.interpolate(img, size=hw, mode=mode, align_corners=False)
+    cm = torch.tensor(out_mean, dtype=x.dtype, device=dev).view(1, -1, 1, 1)
+    cs = torch.tensor(out_std, dtype=x.dtype, device=dev).view(1, -1, 1, 1)
+    return (img - cm) / cs
 
 
 def to_device(t: torch.Tensor, dev: torch.device | str) -> torch.Tensor:

