@@ -26,7 +26,8 @@ ONE_ROUND = dict(rounds=1, eval_every=1, clients=4, participation=0.5, local_epo
 # the same code paths, seconds less (tests/test_flower.py's FAST)
 LIGHT = {"fedloge": {"sse_steps": 200}, "fedetf": {"pers_rounds": 2}, "creff": {"match_epochs": 5, "crt_epochs": 10}}
 # declared items that the default parameters never send: (method, Sent name, when) -> the parameter that sends it
-NON_DEFAULT = {("fedloge", "*", "la-fr"): "finetune_epochs > 0: the fine-tuning's loss"}
+NON_DEFAULT = {("fedloge", "*", "la-fr"): "finetune_epochs > 0: the fine-tuning's loss",
+               ("fedrela-loge", "*", "la-fr"): "finetune_epochs > 0: the fine-tuning's loss (FedLoGe's)"}
 
 
 def _fed(cfg):
