@@ -7,7 +7,8 @@ calls of fedlt's functions), on identical weights, batches and counts:
   same RNG stream, kept after a fixed number of steps (the released script's best-test-accuracy choice is left out).
 - FedVLS (krumpguo/FedVLS ``clientvls.py`` / ``servervls.py`` at 7d8163f): ``PriorCELoss + new_LADEloss + lamda *
   VLSloss`` and its SGD (momentum 0.9, no weight decay) for a local round, then the n_k-weighted aggregate, under
-  ``logit_form=official logit_weight=0.005``; the default against Algorithm 1 (Technical Appendix) written out.
+  the defaults (the released form and weight); ``logit_form=paper logit_weight=1`` against Algorithm 1 (Technical
+  Appendix) written out.
 - FedReLa (guangzhengh/FedReLa ``util/FedReLa.py``, ``util/update_baseline.py`` at 20a58bd): the re-labelling
   pipeline in numpy (priors, class-wise z-scores, adaptive thresholds, tanh flip rates, one uniform draw of C a
   sample), and a local FedLoGe round on the re-labelled batch (``update_weights_gaux``'s three SGDs).
@@ -218,9 +219,9 @@ def vls_round(m, data, state, loss, lr, epochs):
     return reply, want
 
 
-def test_fedvls_official_options_match_the_released_client_and_server():
+def test_fedvls_default_matches_the_released_client_and_server():
     clients = [client({0: 12, 2: 6, 5: 3, 7: 1}, seed=3, cid=0), client({1: 8, 2: 2, 5: 9}, seed=4, cid=1)]
-    m = method("fedvls", lr=0.05, momentum=0.9, epochs=3, lam=0.7, logit_form="official", logit_weight=0.005)
+    m = method("fedvls", lr=0.05, momentum=0.9, epochs=3, lam=0.7)  # the default: the released form and weight
     state = m.init_server()
     replies, refs = [], []
     for data in clients:
@@ -235,15 +236,15 @@ def test_fedvls_official_options_match_the_released_client_and_server():
     assert_close(state.weights, want, want)
 
 
-def test_fedvls_default_is_algorithm_1_and_differs_from_the_released_loss():
+def test_fedvls_paper_options_are_algorithm_1_and_differ_from_the_released_loss():
     data = client({0: 12, 2: 6, 5: 3, 7: 1}, seed=3)
     counts = torch.as_tensor(data.counts)
-    m = method("fedvls", lr=0.05, momentum=0.9, epochs=3, lam=0.7)
+    m = method("fedvls", lr=0.05, momentum=0.9, epochs=3, lam=0.7, logit_form="paper", logit_weight=1.0)
     state = m.init_server()
     paper = paper_vls(counts, 0.7)
     reply, want = vls_round(m, data, state, lambda t: (lambda net, x, y: paper(net, t, x, y)), 0.05, 3)
     assert_close(reply.arrays, want, want, atol=2e-6)
-    official = method("fedvls", lr=0.05, momentum=0.9, epochs=3, lam=0.7, logit_form="official", logit_weight=0.005)
+    official = method("fedvls", lr=0.05, momentum=0.9, epochs=3, lam=0.7)
     other, _ = official.local_train(official.configure(state, 1, 0), {}, data, torch.Generator().manual_seed(5))
     assert max((reply.arrays[k] - other.arrays[k]).abs().max().item() for k in want) > 1e-3
 
@@ -251,12 +252,14 @@ def test_fedvls_default_is_algorithm_1_and_differs_from_the_released_loss():
 def test_fedvls_paper_logit_term_skips_a_class_alone_in_its_batch_and_ignores_vacant_classes():
     from fedlt.methods.fedvls import logit_suppression
 
-    z = torch.randn(4, 3)
+    z = torch.randn(4, 3, requires_grad=True)
     prior = torch.tensor([0.5, 0.5, 0.0])
-    only0 = logit_suppression(z, torch.zeros(4, dtype=torch.long), prior)
+    only0 = logit_suppression(z, torch.zeros(4, dtype=torch.long), prior, "paper")
     # class 0 is every sample's label: no term; class 1: log mean exp over all 4; class 2 (vacant): weight 0
-    assert torch.isfinite(only0)
     assert only0.item() == pytest.approx(0.5 * (torch.logsumexp(z[:, 1], 0) - math.log(4)).item(), rel=1e-6)
+    (grad,) = torch.autograd.grad(only0, z)
+    assert torch.isfinite(grad).all() and not grad[:, 0].any() and not grad[:, 2].any()
+    assert torch.allclose(grad[:, 1], 0.5 * torch.softmax(z[:, 1], 0))
 
 
 # ------------------------------------------------------------------------------------------------ FedReLa
@@ -335,7 +338,8 @@ def official_loge_step(net, fixed_w, fixed_b, phi, x, y, lr, momentum):
 
 def test_fedloge_rela_round_relabels_then_trains_as_the_released_update(tmp_path):
     data = client({0: 30, 1: 14, 2: 6, 4: 3, 6: 9}, seed=5)
-    m = method("fedrela-loge", lr=0.05, momentum=0.5, epochs=1, rounds=10, rela_passes=1, sse_steps=20)
+    m = method("fedrela-loge", lr=0.05, momentum=0.5, epochs=1, rounds=10, rela_passes=1, sse_steps=20,
+               rela_lr_scale=0.1)  # the released lr x 0.1 from relabel_start on
     m.spec.cache_dir = str(tmp_path)
     state = m.init_server()
     cstate = m.init_client(0, data)
@@ -367,7 +371,7 @@ def test_fedloge_rela_round_relabels_then_trains_as_the_released_update(tmp_path
     with torch.no_grad():
         phi.weight.copy_(cstate["phi.weight"])
         phi.bias.copy_(cstate["phi.bias"])
-    want, phi_w = official_loge_step(ref, W, b, phi, x, y2, 0.05, 0.5)
+    want, phi_w = official_loge_step(ref, W, b, phi, x, y2, 0.05 * 0.1, 0.5)
     assert_close(reply.arrays, want, want)
     assert torch.allclose(new_state["phi.weight"], phi_w, atol=1e-6)
     # the server is FedLoGe's weighted mean, the released FedAvg_noniid
@@ -389,3 +393,20 @@ def test_fedetf_rela_before_the_start_is_fedetf():
     assert all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
     c, cs = rela.local_train(rela.configure(state, 5, 0), {}, data, torch.Generator().manual_seed(1))
     assert "rela.labels" in cs and cs["rela.labels"].shape == data.y.shape
+
+
+def test_fedvls_released_logit_term_is_bounded_below_and_algorithm_1s_is_not():
+    """Why the default is the released form: scores of each class on the other classes' samples driven to -k make
+    Algorithm 1's term fall without bound, while the released one stays above sum_c p_c log(n_c in batch / B)."""
+    from fedlt.methods.fedvls import logit_suppression
+
+    y = torch.tensor([0, 0, 1, 2])
+    prior = torch.tensor([0.5, 0.25, 0.25])
+    floor = sum(p * math.log(n / 4) for p, n in ((0.5, 2), (0.25, 1), (0.25, 1)))
+    paper, official = [], []
+    for k in (10.0, 100.0, 1000.0):
+        z = -k * (1 - F.one_hot(y, 3).float())
+        paper.append(logit_suppression(z, y, prior, "paper").item())
+        official.append(logit_suppression(z, y, prior, "official").item())
+    assert paper[2] < paper[1] - 800 < paper[0] - 880
+    assert all(v >= floor - 1e-6 for v in official) and official[2] == pytest.approx(floor, abs=1e-4)
