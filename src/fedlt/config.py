@@ -566,6 +566,10 @@ def _method_class(cfg):
     return method_class(cfg)
 
 
+UNDECLARED = ("Method.dp_sample: its local training is a loop of its own, or its loss reads statistics of its data "
+              "other than the class counts")  # --dp sample's refusal where the method gives no reason of its own
+
+
 def dp_refusal(cfg) -> tuple[str, list[str]]:
     """Why --dp (client or sample) does not run method ``cfg.method`` (:func:`fedlt.core.dp.refusal`): ("", [])
     where it does."""
@@ -851,9 +855,8 @@ RELATIONS: list[Relation] = [
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "method": "gbme"},)),
     requires("dp", lambda c: dp_refusal(c)[0] != "undeclared",
              lambda c: f"--dp sample runs DP-SGD in a method's described local steps whose loss of one sample reads no "
-                       f"other sample, and method {c.method} does not declare that (Method.dp_sample: its local "
-                       f"training is a loop of its own, or its loss reads statistics of its data other than the class "
-                       f"counts); choose {words(dp_sample_methods(), 'or')}",
+                       f"other sample, and method {c.method} does not declare that ("
+                       f"{''.join(dp_refusal(c)[1][:1]) or UNDECLARED}); choose {words(dp_sample_methods(), 'or')}",
              when=lambda c: c.dp == "sample", others=("method",),
              bad=({"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, "method": "fedgrab"},)),
     requires("dp", lambda c: worker_count(c) == 0 and str(c.client_parallel) in ("auto", "off")

@@ -183,9 +183,10 @@ def refusal(cls, level: str) -> tuple[str, list[str]] | None:
     ``("pool", [])`` (it trains on the clients' data pooled in one place), ``("unprotected", items)`` (what its clients
     send that the guarantee would not cover, :func:`unprotected`), ``("server", [why])`` (``--dp client``: what the
     method's server does with each reply that the noised mean does not cover, ``Method.dp_client_refusal``) or
-    ``("undeclared", [])`` (``--dp sample``: its
-    local training is not declared DP-SGD-able, :func:`fedlt.core.dpsgd.declared`). The one source of the run's
-    refusals (``fedlt.config``) and of :func:`verdict`."""
+    ``("undeclared", [why])`` (``--dp sample``: its
+    local training is not declared DP-SGD-able, :func:`fedlt.core.dpsgd.declared`; ``why``: the method's own reason,
+    ``Method.dp_sample_why_not``, where it gives one). The one source of the run's refusals (``fedlt.config``) and of
+    :func:`verdict`."""
     from .dpsgd import declared
 
     if getattr(cls, "needs_pool", False):
@@ -195,7 +196,7 @@ def refusal(cls, level: str) -> tuple[str, list[str]] | None:
     if left := unprotected(getattr(cls, "sends", ()), level):
         return "unprotected", left
     if level == "sample" and not declared(cls):
-        return "undeclared", []
+        return "undeclared", [why] if (why := getattr(cls, "dp_sample_why_not", "")) else []
     return None
 
 
@@ -207,8 +208,8 @@ def verdict(cls, level: str) -> str:
         return {"pool": "no, it trains on the clients' data pooled in one place",
                 "unprotected": f"no, its clients also send {', '.join(why[1])}",
                 "server": f"no, {''.join(why[1][:1])}",
-                "undeclared": "no, its local training is a loop of its own or its loss reads the client's class "
-                              "statistics"}[why[0]]
+                "undeclared": f"no, {why[1][0]}" if why[1] else "no, its local training is a loop of its own or "
+                              "its loss reads the client's class statistics"}[why[0]]
     if level == "client":
         also = privatised(getattr(cls, "sends", ()))
         return f"yes, its clients send the model update (clipped and noised) and {', '.join(also)}" if also else \

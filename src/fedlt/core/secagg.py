@@ -72,7 +72,10 @@ def runs_under(cls) -> bool:
 
 
 def why_not(cls) -> str:
-    """Why method class ``cls``'s server needs more than the mean of the replies, in words."""
+    """Why method class ``cls``'s server needs more than the mean of the replies, in words: its own
+    ``secagg_refusal`` where it gives one."""
+    if why := getattr(cls, "secagg_refusal", ""):
+        return why
     extra = [f"{s.name} ({s.category}{', phase ' + s.when if s.when != 'rounds' else ''})"
              for s in getattr(cls, "sends", ()) if s.category not in ("model", "size", "scalars")]
     return f"its clients also send {', '.join(extra)}" if extra else "its server reads each client's reply"

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
-PAPERS = ("fedloge", "redgrape", "feddr", "balancefl", "fedrs", "fedlf", "gbme", "dflfs", "fedgpa",
+PAPERS = ("fedloge", "redgrape", "feddr", "balancefl", "fedrs", "fedlf", "gbme", "dflfs", "fedgpa", "fedwmsam",
           "fednpc", "fedvls", "fedrela")
 UNITS = {"fraction": 1.0, "percent": 0.01}
 
