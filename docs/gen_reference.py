@@ -153,7 +153,8 @@ def method_page(name: str, cls) -> str:
         out += ["None."]
     out += ["", "## What leaves the client", ""] + sends_table(cls) + [
         "", f"Categories: [What leaves the client](../privacy.md). A run records what its clients actually sent in "
-            f"its directory (`sent.jsonl`); `fedlt list {name}` prints this table."]
+            f"its directory (`sent.jsonl`); `fedlt list {name}` prints this table. On the Flower engine the clients' "
+            f"replies also carry the engine's own items: [Flower engine](../privacy.md#flower-engine)."]
     for title, pattern, none in (
             ("Inference modes", r"inference\b", "The docstring has no inference paragraph: GM is the global "
                                                 "model, PM as the table above says."),
@@ -221,7 +222,7 @@ def sends_table(cls) -> list[str]:
 
 def privacy_page(methods) -> str:
     """Every built-in method's declaration in one table, by category, and what each category reveals."""
-    from fedlt.core.privacy import CATEGORIES, ENGINE_SENDS, ROUNDS
+    from fedlt.core.privacy import CATEGORIES, ROUNDS
 
     cats = list(CATEGORIES)
     rows = ["| method | " + " | ".join(cats) + " |", "| --- |" + " --- |" * len(cats)]
@@ -261,15 +262,33 @@ def privacy_page(methods) -> str:
         "What the engines themselves move, whatever the method (not in the table above):", "",
         "- the simulator (one process, or `--workers` processes on one machine): nothing crosses a network; every "
         "client's class counts are known to it (the federation is built there) and written to `partition.json`.",
-        "- the Flower engine: each SuperNode answers a `query.describe` with its client id, its training label "
-        "counts and its test-set size (for the many / medium / few split and `partition.json`): a class-counts "
-        "disclosure of every client, once per run. Each evaluation sends back the client's accuracy on its own "
-        "test set, per class (`None` for classes its test set lacks) and per group. A reply's numeric meta values "
-        "also travel as a `MetricRecord` (Flower's own metrics: the same numbers again). Under `--dp` the describe "
-        "reply carries no label counts (under `--dp sample` the client's number of samples) and an evaluation no "
-        "per-class accuracies; where the SuperNodes apply the DP themselves, their replies also carry the engine's "
-        "own items, which `sent.jsonl` records like a method's: "
-        + "; ".join(f"`{s.name}` ({s.category}): {_cell(s.what)}" for s in ENGINE_SENDS) + ".", ""])
+        *engine_section(), ""])
+
+
+def engine_section() -> list[str]:
+    """The Flower engine's own items (``fedlt.engine.flower.sends``), one row each: the replies that carry it, the
+    ``--dp`` modes and SuperNodes it is sent by, its category."""
+    from fedlt.core.privacy import engine_rows_of
+    from fedlt.engine.flower import sends as flower
+
+    rows = ["| reply | name | `--dp` | SuperNodes | category | what it is |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in engine_rows_of(flower.SENDS):
+        rows.append(f"| {r['message']} | `{r['name']}` | {r['dp']} | {r['nodes']} | {r['category']} | "
+                    f"{_cell(r['what'])} |")
+    return [
+        "", f"### {flower.TITLE}", "",
+        f"Every reply of a Flower client carries, beside the method's message (matched to its declaration above), the "
+        f"engine's own fields, declared in `{flower.WHERE}` the way a method declares its `sends`; `fedlt list METHOD` "
+        f"prints them under the method's, a run records them in `sent.jsonl` (rows with `\"engine\": "
+        f"\"{flower.ENGINE}\"`, the `message`, and the `round` or `phase` where there is one), and a test captures "
+        "every reply an in-process Flower client sends and holds it to both declarations. A SuperNode serving a "
+        "client of the run's partition (`partition-id`) sends nothing of its data in its `describe` reply (the "
+        "server rebuilds that client from the run's settings); one holding its own data (`data-dir`) sends what the "
+        "rows marked *own data* say, under `--dp` less (the `--dp` column: the modes an item is sent under). An "
+        "evaluation reply holds the accuracy and group accuracies PM aggregates, under every mode alike. Under "
+        "`--secagg` a training round's replies are SecAgg+'s stages instead (see "
+        "[Secure aggregation](secure-aggregation.md)).", "",
+        *rows]
 
 
 # ------------------------------------------------------------------------------------------------ settings

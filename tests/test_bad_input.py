@@ -293,3 +293,31 @@ def test_report_on_a_metrics_file_with_a_garbage_line_is_one_line(tmp_path, figu
     f.write_text("\n".join(good) + "\n")
     code, err = run_cli(["report", str(runs / "r"), *figures])
     assert code == 0 and (runs / "r" / "report" / "table.md").is_file(), err
+
+
+# ------------------------------------------------------------------------------------------- DP known before the run
+DP_SAMPLE = ["--dp", "sample", "--dp-clip", "1"]
+DP_CLIENT = ["--dp", "client", "--dp-clip", "1"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (DP_CLIENT + ["--dp-epsilon", "1e-6", "--dp-delta", "1e-5"], "nothing can train"),
+    (DP_CLIENT + ["--dp-noise", "1", "--dp-budget", "0.001"], "below the first round's epsilon"),
+    (DP_CLIENT + ["--dp-noise", "1", "--dp-delta", "0.25"], "is not below 1 / 4"),
+    (DP_SAMPLE + ["--dp-epsilon", "1e-6"], "cannot be met"),
+    (DP_SAMPLE + ["--dp-noise", "40"], "nothing can train"),
+    (DP_SAMPLE + ["--dp-noise", "1", "--dp-budget", "0.001"], "below the first round's epsilon"),
+    (DP_SAMPLE + ["--dp-noise", "1", "--dp-delta", "0.05"], "--dp-delta 0.05 is not below 1 /"),
+], ids=["client-epsilon", "client-budget", "client-delta", "sample-epsilon", "sample-noise", "sample-budget",
+        "sample-delta"])
+def test_dp_settings_that_cannot_run_are_refused_before_the_run_writes_anything(tmp_path, argv, says):
+    """What DP can tell before the run (issue 55): a noise under which nothing trains, a --dp-budget the first round
+    passes, a --dp-delta not below 1 / K (client level: the clients; sample level: the largest client's samples,
+    known once the data is split) -- one line, exit 2, no run directory (before, some started, wrote a folder and
+    trained 0 rounds or diverged)."""
+    fast = [x for k, v in FAST.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    code, err = run_cli(["run", "--out", str(tmp_path), "--name", "r", "--no-progress", "--threads", "1", *fast,
+                         "--model", "smallcnn", *argv])
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir())

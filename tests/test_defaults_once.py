@@ -101,3 +101,18 @@ def test_a_new_setting_is_one_declaration():
 
     assert [f.name for f in dataclasses.fields(Engine)] == ["width", "progress"]
     assert Engine().width == 7 and Engine(**settings_values(Config(width="9"), "engine")).width == 9
+
+
+def test_the_dp_settings_defaults_are_values_of_the_mechanisms_constants():
+    """--dp-stats-clip and --dp-counts-noise default to the constants their mechanisms use (not text that says a
+    number), and --dp-noise-seed's None is the engine's default, resolved by fedlt.core.noise."""
+    from fedlt.config import RunConfig
+    from fedlt.core import dp, dpsgd, noise
+    from fedlt.decl import settings_of
+
+    s = settings_of(RunConfig)
+    assert s["dp_stats_clip"].default == dp.STATS_CLIP and s["dp_stats_clip"].decl.none_means is None
+    assert s["dp_counts_noise"].default == dpsgd.COUNTS_NOISE and s["dp_counts_noise"].decl.none_means is None
+    assert dpsgd.counts_of(RunConfig()) == dpsgd.COUNTS_NOISE
+    assert s["dp_noise_seed"].default is None and set(noise.ENGINE_DEFAULT.values()) == set(s["dp_noise_seed"].decl
+                                                                                              .allowed())

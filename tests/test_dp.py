@@ -186,7 +186,7 @@ def test_the_budget_stops_before_the_round_that_would_pass_it_with_exit_0(tmp_pa
     argv = ["run", "--dataset", "digits", "--rho", "10", "--clients", "10", "--participation", "0.5",
             "--rounds", "20", "--eval-every", "5", "--local-epochs", "1", "--model", "smallcnn", "--threads", "1",
             "--no-progress", "--out", str(tmp_path), "--name", "b", "--dp", "client", "--dp-clip", "1",
-            "--dp-noise", "1", "--dp-budget", "2"]
+            "--dp-noise", "1", "--dp-budget", "8"]  # at delta 1e-5: round 1 spends 3.91, round 5 passes 8
     p = subprocess.run([sys.executable, "-m", "fedlt", *argv], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": SRC})
     assert p.returncode == 0, p.stderr[-2000:]
@@ -194,7 +194,7 @@ def test_the_budget_stops_before_the_round_that_would_pass_it_with_exit_0(tmp_pa
     assert len(said) == 1 and said[0].startswith("stopped before round"), p.stdout[-3000:]
     s = json.loads((tmp_path / "b" / "summary.json").read_text())
     r = s["dp"]["rounds"]
-    assert 1 <= r < 20 and s["dp"]["epsilon"] <= 2 < _eps_by_hand(1.0, 0.5, r + 1, s["dp"]["delta"])
+    assert 1 <= r < 20 and s["dp"]["epsilon"] <= 8 < _eps_by_hand(1.0, 0.5, r + 1, s["dp"]["delta"])
     assert s["stopped"] == said[0] and s["final"] is not None
 
 
@@ -358,3 +358,61 @@ def test_a_method_with_class_statistics_runs_under_dp_and_what_it_sends_is_clipp
     assert summary["dp"]["class_means"] == [prefix] and summary["dp"]["stats_clip"] == 0.5
     gm = next(iter(summary["final"]["global"].values()))["acc"]  # CReFF's re-trained head, RedGrape's model
     assert gm > 0.5, gm
+
+
+def test_the_default_delta_is_far_below_one_over_the_units_and_a_given_one_not_below_it_is_refused():
+    """delta's default, min(1e-5, 1 / (10 K)): at most 1e-5 and at most a tenth of 1 / K (K x delta, what a mechanism
+    publishing each unit with probability delta would expose, at most 0.1; 1 / K^1.1 gave 0.79 at K 10). A given
+    --dp-delta of 1 / K or more is refused in one line; just below it runs."""
+    from fedlt.config import RunConfig, validate
+    from fedlt.core.dp import default_delta
+    from fedlt.core.dpsgd import default_delta as sample_delta
+    from fedlt.errors import ConfigError
+
+    for k in (2, 6, 10, 100, 9_999, 10_000, 10**5, 10**7):
+        d = default_delta(k)
+        assert d <= 1e-5 and k * d <= 0.1 + 1e-12 and (d == 1e-5 or d == pytest.approx(1 / (10 * k)))
+    assert default_delta(10**6) == pytest.approx(1e-7) and sample_delta([17, 85, 40]) == default_delta(85)
+    base = dict(dp="client", dp_clip=1.0, dp_noise=0.5, dataset="digits", clients=10, rounds=1)
+    for delta in (0.1, 0.5):
+        with pytest.raises(ConfigError, match=r"--dp-delta .* is not below 1 / 10") as e:
+            validate(RunConfig(**base, dp_delta=delta))
+        assert "\n" not in str(e.value)
+    validate(RunConfig(**base, dp_delta=0.0999))
+
+
+def test_a_noise_larger_than_the_clip_on_the_averaged_update_and_a_budget_the_first_round_passes_are_refused():
+    """Refused before the run, in one line: the noise on the averaged update, z_u C / (q K), above the clip C (z_u
+    > q K, adaptive clipping's larger z_u included) -- at --dp-epsilon 1e-6 the solved multiplier, named in the line
+    -- and a --dp-budget below the first round's epsilon (the accountant's, recomputed here)."""
+    from fedlt.config import RunConfig, validate
+    from fedlt.errors import ConfigError
+
+    base = dict(dp="client", dp_clip=1.0, dataset="digits", clients=4, participation=0.5, rounds=1)  # q K = 2
+    validate(RunConfig(**base, dp_noise=2.0))
+    for over, says in (({"dp_noise": 2.01}, "noise multiplier 2.01 (--dp-noise)"),
+                       ({"dp_epsilon": 1e-6, "dp_delta": 1e-5}, "(solved for --dp-epsilon 1e-06)"),
+                       ({"dp_noise": 1.5, "dp_clip_quantile": 0.5, "dp_count_noise": 0.8}, "noise multiplier 1.5")):
+        with pytest.raises(ConfigError, match="nothing can train") as e:
+            validate(RunConfig(**base, **over))
+        assert says in str(e.value) and "\n" not in str(e.value)
+    first = _eps_by_hand(1.0, 0.5, 1, 1e-5)
+    validate(RunConfig(**base, dp_noise=1.0, dp_budget=first * (1 + 1e-9)))
+    with pytest.raises(ConfigError, match=rf"--dp-budget 0.001 is below the first round's epsilon {first:.3g}") as e:
+        validate(RunConfig(**base, dp_noise=1.0, dp_budget=0.001))
+    assert "\n" not in str(e.value)
+
+
+def test_noise_0_is_refused_alike_on_the_command_line_and_in_fedlt_run(tmp_path):
+    """Noise 0 would be clipping without any guarantee: the command line and the Python API say the same one line."""
+    import fedlt
+    from fedlt.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        fedlt.run(method="fedavg", dataset="digits", clients=4, rounds=1, dp="client", dp_clip=1.0, dp_noise=0,
+                  out=str(tmp_path))
+    assert "dp-noise must be > 0" in str(e.value) and "1e-6" in str(e.value)
+    proc = subprocess.run([sys.executable, "-m", "fedlt", "run", "--dataset", "digits", "--dp", "client",
+                           "--dp-clip", "1", "--dp-noise", "0", "--out", str(tmp_path)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": SRC})
+    assert proc.returncode == 2 and proc.stderr.strip() == f"fedlt: error: {e.value}" and not any(tmp_path.iterdir())

@@ -46,8 +46,9 @@ def _lines(run, name):
 
 def _sent_beside(sim, fl, item: str) -> list[dict]:
     """Flower's sent.jsonl is the simulator's plus what the engine's own protocol sent (``item`` in every training
-    round's replies: the clients apply the DP there): those rows, checked against the simulator's."""
-    a, b = _lines(sim, "sent.jsonl"), _lines(fl, "sent.jsonl")
+    round's replies: the clients apply the DP there): those rows, checked against the simulator's. (The engine's
+    fields around the replies, rows with "engine", are tests/test_flower_sends.py's.)"""
+    a, b = _lines(sim, "sent.jsonl"), [r for r in _lines(fl, "sent.jsonl") if "engine" not in r]
     extra = [r for r in b if r["sent"] == item]
     assert [r for r in b if r["sent"] != item] == a and all(r["category"] == "scalars" for r in extra)
     sizes = {r["round"]: r["clients"] for r in a if "round" in r and r["sent"] == "<model>"}
@@ -159,8 +160,9 @@ def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accou
     simulator's epsilons, table and model bit for bit (FedLoGe: its phases and personal heads too; FedAvg through
     SecAgg+, each update weighted by its client's size; FedRoD: its loss on the client's class counts noised once, the
     release first in each accountant, which the server counted from the first reply's entries; BalanceFL: the same
-    through its own local_train, which hands DP-SGD its described steps). Describe sends the
-    client's size and no label counts; the per-sample gradient norms stay on the clients."""
+    through its own local_train, which hands DP-SGD its described steps). Describe sends no
+    label counts (a client of the partition not even its size: the server has it from the settings); the per-sample
+    gradient norms stay on the clients."""
     pytest.importorskip("opacus")
     over = dict(SAMPLE, method=case) if case != "fedavg-secagg" else \
         dict(SAMPLE, method="fedavg", secagg=True, participation=1.0)
@@ -183,8 +185,8 @@ def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accou
                    for c in fl["dp"]["clients"].values())
     for m in grid.replied:
         kind = m.metadata.message_type
-        if kind == "query.describe":
-            assert set(control(m.content)) == {"client-id", "partition", "num-examples"}
+        if kind == "query.describe":  # a client of the partition: the server has its size from the settings
+            assert set(control(m.content)) == {"client-id", "partition"}
         elif kind == "evaluate":
             reports = json.loads(str(control(m.content)["reports"]))
             assert all(set(rep) - {"nonfinite"} == {"acc", *GROUPS} for rep in reports.values())

@@ -4,6 +4,7 @@ the noise the uninterrupted one would, and in no file of a finished run; a Flowe
 key of its own (fedlt.engine.flower.records.node_noise_key), which never leaves it."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -121,9 +122,77 @@ def test_supernodes_draw_their_dp_sgd_noise_from_their_own_keys_and_send_none(tm
     w = {n: _weights(tmp_path / n) for n in ("sim", "f1", "f2")}
     assert not _same(w["f1"], w["sim"]) and not _same(w["f1"], w["f2"])
     for _, grid, summary in runs:
-        assert {k: v for k, v in summary["dp"].items() if k != "noise_seed"} == \
-            {k: v for k, v in sim["dp"].items() if k != "noise_seed"}
+        assert {k: v for k, v in summary["dp"].items() if k not in ("noise_seed", "noise_source")} == \
+            {k: v for k, v in sim["dp"].items() if k not in ("noise_seed", "noise_source")}
         keys = {str(c.state[NOISE_KEY]["key"]) for c in grid.contexts.values() if NOISE_KEY in c.state}
         assert len(keys) == len(summary["dp"]["clients"]) > 1  # each node that trained, with a key of its own
         sent = b"".join(repr(m.content).encode() for m in grid.replied)
         assert not any(k.encode() in sent for k in keys)
+
+
+def test_the_noise_seeds_default_is_the_engines_run_where_fedlt_runs_every_client_secret_on_a_deployment():
+    """--dp-noise-seed's default is a value derived from where the clients run (core.noise.ENGINE_DEFAULT), not text:
+    run for fedlt run / inprocess / simulate, secret for a deployment; a given one wins either way. The ServerApp that
+    `flwr run` starts (the app `fedlt flower run` writes) serves as a deployment, Flower's simulation does not."""
+    pytest.importorskip("flwr")
+    from fedlt.config import RunConfig
+    from fedlt.engine.flower import server_app
+    from fedlt.engine.flower.settings import flatten, to_run_config
+
+    assert [dpmod.noise_seed(None, d) for d in (False, True)] == ["run", "secret"]
+    assert [dpmod.noise_seed(c, d) for c in ("run", "secret") for d in (False, True)] == ["run"] * 2 + ["secret"] * 2
+    assert RunConfig().dp_noise_seed is None and dpmod.noise_key(RunConfig(dp="client")) is None
+    assert len(dpmod.noise_key(RunConfig(dp="client"), deployed=True)) == 64
+    seen = {}
+
+    class Strategy:  # what the deployment's ServerApp hands the strategy
+        def __init__(self, cfg, *a, deployed=False, **k):
+            seen["deployed"] = deployed
+
+        def run(self, *a, **k):
+            return {}
+
+    class Context:
+        run_config = flatten(to_run_config(RunConfig(dp="sample", dp_clip=1.0, dp_noise=1.0, clients=2)))
+
+    old = server_app.FedltStrategy
+    server_app.FedltStrategy = Strategy
+    try:
+        server_app.main(None, Context())
+        assert seen == {"deployed": True}
+        server_app.serve(None, Context(), deployed=False)
+        assert seen == {"deployed": False}
+    finally:
+        server_app.FedltStrategy = old
+
+
+@pytest.mark.parametrize("given", [None, "run"])
+def test_on_a_deployment_each_supernode_draws_its_dp_sgd_noise_from_its_own_key_unless_run_is_asked_for(
+        tmp_path, given):
+    """--dp sample served as a deployment (the in-process grid, its server a deployment's): by default each SuperNode's
+    key source -- its --state-dir's run-<id>/fedlt.dp-noise-key -- holds a key of its own, the model is not the
+    simulator's, and the privacy line says where the noise came from; with --dp-noise-seed run asked for, no
+    SuperNode draws a key, the model is the simulator's and the line says the server can subtract the noise."""
+    pytest.importorskip("flwr")
+    pytest.importorskip("opacus")
+    from fedlt.engine.flower.inprocess import run_inprocess
+    from fedlt.engine.flower.records import NOISE_KEY
+
+    over = dict(dp="sample", dp_clip=1.0, dp_noise=1.0, clients=4, participation=0.5, rounds=2, eval_every=2,
+                local_epochs=1, threads=1)
+    sim = rundir.run(small_config(**over, out=str(tmp_path), name="sim"), **QUIET)
+    nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"node{i}")} for i in range(4)]
+    _, grid, summary = run_inprocess(small_config(**over, dp_noise_seed=given, out=str(tmp_path), name="dep"),
+                                     node_configs=nodes, echo=lambda *a: None, deployed=True)
+    keys = {p.parent.parent.name: p.read_text() for p in tmp_path.glob(f"node*/run-*/{NOISE_KEY}")}
+    trained = {f"node{c}" for c in summary["dp"]["clients"]}
+    line = rundir.format_summary(summary).splitlines()[-1]
+    same = _same(_weights(tmp_path / "sim"), _weights(tmp_path / "dep"))
+    if given is None:
+        assert set(keys) == trained and len(set(keys.values())) == len(trained) > 1 and not same
+        assert "each SuperNode's noise drawn from a secret key of its own" in line
+    else:
+        assert not keys and not any(NOISE_KEY in c.state for c in grid.contexts.values()) and same
+        assert "noise drawn from --seed, as --dp-noise-seed run asks: the server knows it and can subtract" in line
+    assert json.loads((tmp_path / "dep" / "config.json").read_text())["dp_noise_seed"] == given
+    assert "noise drawn from --seed (reproducible)" in rundir.format_summary(sim).splitlines()[-1]

@@ -13,10 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from .core.dp import class_means, default_delta, noise_for, refusal, verdict
-from .core.dpsgd import reads_counts
+from .core.dp import (STATS_CLIP, class_means, default_delta, delta_problem, epsilon, noise_for, refusal,
+                      update_noise, verdict)
+from .core.dpsgd import COUNTS_NOISE, reads_counts
 from .core import secagg
+from .core.finetune import finetune_refusal
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
+from .pretrained import is_clip, is_pretrained
 from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
                    check_relations, check_values, coerce, declared_in, excludes, requires, rows, settings_of, setting,
                    show, words)
@@ -29,6 +32,9 @@ DEFAULT_BUDGET = 2_000_000_000  # bytes of client states in memory: --client-sta
 
 def _ratio_hint(rho: float) -> str:
     return f"did you mean {1 / rho:g} (the FedLoGe code writes n_min/n_max)?" if 0 < rho < 1 else ""
+
+
+def _zero_noise_hint(z: float) -> str:
 
 
 # experiment trackers (fedlt.runner.trackers): the package each needs, and how to install it
@@ -104,6 +110,16 @@ class RunConfig:
                                              cli=False, group=DATA)
     # model and local training
     model: str | None = setting(None, "model", registry=MODELS, group=TRAIN, none_means="the dataset's default")
+    finetune: str = declared_in(RunSpec, "finetune")  # how much of it trains (core.finetune), LoRA's settings
+    lora_rank: int = declared_in(RunSpec, "lora_rank")
+    lora_alpha: float = declared_in(RunSpec, "lora_alpha")
+    lora_dropout: float = declared_in(RunSpec, "lora_dropout")
+    lora_targets: str | None = declared_in(RunSpec, "lora_targets")
+    lora_agg: str = declared_in(RunSpec, "lora_agg")
+    bn_stats: str = declared_in(RunSpec, "bn_stats")
+    pretrained_size: int | None = declared_in(RunSpec, "pretrained_size")  # pre-trained models (fedlt.pretrained)
+    head: str = declared_in(RunSpec, "head")
+    head_fixed: bool = declared_in(RunSpec, "head_fixed")
     rounds: int = declared_in(RunSpec, "rounds", reads=("engine",))
     participation: float = setting(0.5, "clients per round: a fraction (<= 1) or a count (> 1)", low=0,
                                    low_open=True, group=TRAIN, reads=("engine",))
@@ -187,7 +203,7 @@ class RunConfig:
     dp_noise: float | None = setting(None, "the noise multiplier z (--dp client: noise std z x clip on the sum of "
                                            "the updates; --dp sample: on each step's sum of per-sample gradients)",
                                      low=0, low_open=True, metavar="Z", group=PRIVACY, reads=("engine",),
-                                     none_means="solved from --dp-epsilon")
+                                     hint=_zero_noise_hint, none_means="solved from --dp-epsilon")
     dp_epsilon: float | None = setting(None, "the epsilon the whole run may spend; the noise is solved for it (--dp "
                                              "client: for the rounds and the sampling rate; --dp sample: for each "
                                              "client, its sampling rate and its steps in the run)", low=0,
@@ -195,8 +211,7 @@ class RunConfig:
                                        none_means="from --dp-noise")
     dp_delta: float | None = setting(None, "delta of (epsilon, delta)-DP", low=0, low_open=True,
                                      high=1, high_open=True, metavar="D", group=PRIVACY, reads=("engine",),
-                                     none_means="--dp client: 1 / clients^1.1 (below 1 / clients); --dp sample: "
-                                                "1 / n^1.1, n the largest client's samples")
+                                                "the largest client's samples; a given one must be below 1 / K")
     dp_clip_quantile: float | None = setting(None, "--dp client: adaptive clipping (Andrew et al. 2021): the share "
                                                    "of updates the clip should leave unclipped; --dp-clip is then "
                                                    "the first round's clip", low=0, low_open=True, high=1,
@@ -209,11 +224,11 @@ class RunConfig:
                                                  "unclipped updates", low=0, low_open=True, metavar="S",
                                            group=PRIVACY, reads=("engine",),
                                            none_means="the expected clients a round / 20 (Andrew et al.)")
-    dp_stats_clip: float | None = setting(None, "--dp client: the L2 norm each client's class statistics are clipped "
-                                                "to, for a method that declares them privatised as noised per-class "
                                                 "means (CReFF's, RedGrape's per-class gradients)", low=0,
-                                          low_open=True, metavar="C", group=PRIVACY, reads=("engine",),
                                           none_means="1.0")
+    dp_stats_clip: float = setting(STATS_CLIP, "--dp client: the L2 norm each client's class statistics are clipped "
+                                               "to, for a method that declares them privatised as noised per-class "
+                                   low_open=True, metavar="C", group=PRIVACY, reads=("engine",))
     dp_accountant: str = setting("rdp", "--dp client: the accountant (Google's dp-accounting): rdp (Renyi DP, the "
                                         "one Flower's DP uses) or pld (privacy loss distributions: a tighter epsilon, "
                                         "so less noise for the same --dp-epsilon; a tenth of a second a round)",
@@ -222,17 +237,23 @@ class RunConfig:
                                             "its worst client's) would pass this", low=0, low_open=True,
                                       metavar="E", group=PRIVACY,
                                       reads=("engine",), none_means="no budget")
-    dp_counts_noise: float | None = setting(None, "--dp sample: the std, in samples, of the Gaussian noise on each "
-                                                  "class count of a client whose method's loss reads its counts "
-                                                  "(FedRoD, FedLC, FedAvg + BSM, Fed-Focal, FedRS): drawn once, "
                                                   "counted in the client's accountant", low=0, low_open=True,
                                             metavar="S", group=PRIVACY, reads=("engine",), none_means="5.0")
-    dp_noise_seed: str = setting("run", "where the DP noise comes from: run (from --seed and the round: reproducible, "
-                                        "but whoever knows the seed -- config.json records it -- can draw the same "
                                         "noise and subtract it; for experiments) or secret (from a 256-bit key the "
-                                        "operating system draws when the run starts, kept only in its checkpoints; "
-                                        "on Flower each SuperNode's DP-SGD noise from a key of its own that never "
-                                        "leaves it)", choices=("run", "secret"), group=PRIVACY, reads=("engine",))
+    dp_counts_noise: float = setting(COUNTS_NOISE, lambda: "--dp sample: the std, in samples, of the Gaussian noise on "
+                                     "each class count of a client whose method's loss reads its counts ("
+                                     f"{words(counts_methods(), 'and')}): drawn once, counted in the client's "
+                                     reads=("engine",))
+    dp_noise_seed: str | None = setting(None, "where the DP noise comes from: run (from --seed and the round: "
+                                              "reproducible, but whoever knows the seed -- config.json records it, "
+                                              "and on a deployment the server chose it -- can draw the same noise and "
+                                              "operating system draws when the run starts, kept only in its "
+                                              "checkpoints; on Flower each SuperNode's DP-SGD noise from a key of its "
+                                              "own that never leaves it)", choices=("run", "secret"), group=PRIVACY,
+                                        reads=("engine",),
+                                        none_means="the engine's: run where fedlt runs every client (fedlt run, "
+                                                   "fedlt flower inprocess and simulate), secret on a deployment "
+                                                   "(fedlt flower run with SuperNodes)")
     # secure aggregation (fedlt.core.secagg, docs/secure-aggregation.md): Flower's SecAgg+ and its parameters
     secagg: bool = setting(False, "secure aggregation: Flower's SecAgg+ masks each client's update, the server "
                                   "learns only their weighted mean (on Flower the protocol itself, in `fedlt run` its "
@@ -551,13 +572,38 @@ def count_noise(cfg: RunConfig) -> float:
         clients_per_round(cfg.clients, cfg.participation) / 20
 
 
+def dp_delta_of(cfg: RunConfig) -> float:
+    """--dp client's delta: --dp-delta, or the default for the run's clients (:func:`fedlt.core.dp.default_delta`)."""
+    return cfg.dp_delta if cfg.dp_delta is not None else default_delta(cfg.clients)
+
+
 def dp_noise_of(cfg: RunConfig) -> float:
     """--dp client's noise multiplier: --dp-noise, or the one solved for --dp-epsilon over the run's rounds."""
     if cfg.dp_noise is not None:
         return cfg.dp_noise
-    delta = cfg.dp_delta if cfg.dp_delta is not None else default_delta(cfg.clients)
     return noise_for(cfg.dp_epsilon, clients_per_round(cfg.clients, cfg.participation) / cfg.clients, cfg.rounds,
-                     delta, cfg.dp_accountant)
+                     dp_delta_of(cfg), cfg.dp_accountant)
+
+
+def dp_mean_noise(cfg: RunConfig) -> float:
+    """--dp client: the std of the noise on the averaged update in units of the clip, ``z_u / (q K)`` (``z_u``: the
+    update's own noise multiplier, :func:`fedlt.core.dp.update_noise`, larger than the run's under adaptive clipping
+    or with class statistics; ``q K``: the expected clients a round, the fixed denominator). Above 1 the noise on the
+    model exceeds the largest update any client can make: nothing trains."""
+    releases = 1 + 2 * len(class_means(getattr(_method_class(cfg), "sends", ())))
+    z = update_noise(dp_noise_of(cfg), count_noise(cfg) if cfg.dp_clip_quantile is not None else None, releases)
+    return z / clients_per_round(cfg.clients, cfg.participation)
+
+
+def noise_source(cfg: RunConfig) -> str:
+    """Where --dp client's noise multiplier comes from, in words."""
+    return "--dp-noise" if cfg.dp_noise is not None else f"solved for --dp-epsilon {cfg.dp_epsilon:g}"
+
+
+def first_epsilon(cfg: RunConfig) -> float:
+    """--dp client: the epsilon of the first round alone (what --dp-budget must allow for any round to run)."""
+    return epsilon(dp_noise_of(cfg), clients_per_round(cfg.clients, cfg.participation) / cfg.clients, 1,
+                   dp_delta_of(cfg), cfg.dp_accountant)
 
 
 def _method_class(cfg):
@@ -594,6 +640,12 @@ def dp_sample_methods() -> list[str]:
     names = [n for n, cls in METHODS.items() if verdict(cls, "sample").startswith("yes")]
     first = [n for n in ("fedavg", "fedprox", "ditto", "fedper", "fedloge") if n in names]
     return first + [n for n in names if n not in first]
+
+
+def counts_methods() -> list[str]:
+    """The built-in methods whose loss reads the client's class counts under --dp sample (``dp_sample = "counts"``,
+    :func:`fedlt.core.dpsgd.reads_counts`): --dp-counts-noise noises them."""
+    return [n for n, cls in METHODS.items() if reads_counts(cls)]
 
 
 def available_cores() -> int:
@@ -786,17 +838,16 @@ RELATIONS: list[Relation] = [
                  "accountant); add --dp client or drop it", others=("dp",),
                  bad=({"dp_accountant": "pld"}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0,
                                                   "dp_accountant": "pld"})),
-    applies_when("dp_counts_noise", lambda c: c.dp_counts_noise is None or (c.dp == "sample" and reads_counts(
-                     _method_class(c))),
+    applies_when("dp_counts_noise", lambda c: c.dp == "sample" and reads_counts(_method_class(c)),
                  lambda c: f"--dp-counts-noise noises the class counts that a method's loss reads under --dp sample "
-                           f"({', '.join(n for n, cls in METHODS.items() if reads_counts(cls))})"
+                           f"({', '.join(counts_methods())})"
                            + ("; add --dp sample or drop it" if c.dp != "sample" else
                               f", and method {c.method} reads none; drop it"), others=("dp", "method"),
                  bad=({"dp_counts_noise": 5.0}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0,
                                                  "dp_counts_noise": 5.0})),
-    applies_when("dp_noise_seed", lambda c: c.dp != "off" or c.dp_noise_seed == "run",
-                 "--dp-noise-seed secret applies to --dp client and --dp sample; add one or drop it", others=("dp",),
-                 bad=({"dp_noise_seed": "secret"},)),
+    applies_when("dp_noise_seed", lambda c: c.dp != "off",
+                 "--dp-noise-seed {dp_noise_seed} applies to --dp client and --dp sample; add one or drop it",
+                 others=("dp",), bad=({"dp_noise_seed": "secret"}, {"dp_noise_seed": "run"})),
     applies_when("dp_budget", lambda c: c.dp != "off", "--dp-budget applies to --dp client and --dp sample; add one or "
                  "drop it", others=("dp",), bad=({"dp_budget": 8.0},)),
     applies_when("dp_stats_clip",
@@ -819,6 +870,27 @@ RELATIONS: list[Relation] = [
              others=("dp_noise", "dp_epsilon", "dp_delta", "dp_count_noise", "participation", "clients", "rounds"),
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_clip_quantile": 0.5,
                    "dp_count_noise": 0.4},)),
+    # --finetune head/lora (core.finetune): a method refused where it declares a need the mode cannot meet
+    requires("finetune", lambda c: not finetune_refusal(_method_class(c), c.finetune),
+             lambda c: f"--finetune {c.finetune}: method {c.method} {finetune_refusal(_method_class(c), c.finetune)}; "
+                       f"choose --finetune {'lora or full' if c.finetune == 'head' else 'full'} or another method",
+             when=lambda c: c.finetune != "full", others=("method",),
+             bad=({"finetune": "head", "method": "fedbabu"}, {"finetune": "lora", "method": "fedgpa"})),
+    *[applies_when(name, lambda c: c.finetune == "lora", f"--{name.replace('_', '-')} applies to --finetune lora, "
+                   f"not {{finetune}}; add --finetune lora or drop it", others=("finetune",), bad=({name: value},))
+                          ("lora_agg", "ffa"))],
+    applies_when("bn_stats", lambda c: c.finetune == "lora", "--bn-stats local applies to --finetune lora (under full "
+                 "BatchNorm trains as the model does, under head the features are computed once, with the pre-trained "
+                 "statistics); add --finetune lora or drop it", others=("finetune",),
+                 bad=({"bn_stats": "local"}, {"bn_stats": "local", "finetune": "head"})),
+    # pre-trained models (fedlt.pretrained)
+    applies_when("pretrained_size", lambda c: is_pretrained(c.model),
+                           f"hf:<hub id or directory>), not {c.model or 'the dataset default'}; drop it",
+    requires("head", lambda c: is_clip(c.model),
+             lambda c: f"--head clip-text needs a CLIP model: --model hf:<a CLIP model's hub id or directory> (e.g. "
+             when=lambda c: c.head == "clip-text", others=("model",), bad=({"head": "clip-text"},)),
+    applies_when("head_fixed", lambda c: c.head == "clip-text", "--head-fixed applies to --head clip-text; add it "
+                 "or drop --head-fixed", others=("head",), bad=({"head_fixed": True},)),
     requires("dp", lambda c: c.dp_clip is not None,
              lambda c: "--dp client needs --dp-clip C, the norm each client's update is clipped to (e.g. 1.0; McMahan "
                        "et al. tune it to the median update norm)" if c.dp == "client" else
@@ -872,6 +944,24 @@ RELATIONS: list[Relation] = [
              "accountant assumes: drop --availability, --drop-rate, --round-deadline and --over-select",
              when=lambda c: c.dp == "client", others=("availability", "drop_rate", "round_deadline", "over_select"),
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "drop_rate": 0.5},)),
+    requires("dp_delta", lambda c: delta_problem(c.dp_delta, c.clients, "client", "the run's clients") is None,
+             lambda c: delta_problem(c.dp_delta, c.clients, "client", "the run's clients"),
+             when=lambda c: c.dp == "client" and c.dp_delta is not None, others=("clients",),
+    # noise larger than the clip on the averaged update, or a budget the first round passes: refused before the run
+    requires("dp", lambda c: dp_mean_noise(c) <= 1,
+                       f"{clients_per_round(c.clients, c.participation)} clients a round, more than any clipped "
+                       f"update moves it, so nothing can train; train more clients a round (--participation, "
+                       f"--clients), or "
+                       + ("use a smaller --dp-noise" if c.dp_noise is not None else
+                          "fewer --rounds, or allow a larger --dp-epsilon"),
+             when=lambda c: c.dp == "client" and (c.dp_noise is None) != (c.dp_epsilon is None),
+             others=("dp_noise", "dp_epsilon", "participation", "clients", "rounds"),
+    requires("dp_budget", lambda c: first_epsilon(c) <= c.dp_budget,
+                       f"so no round could run; raise --dp-budget, or spend less a round: more noise (--dp-noise, or "
+                       f"a smaller --dp-epsilon) or fewer clients a round (--participation)",
+             when=lambda c: c.dp == "client" and c.dp_budget is not None and (c.dp_noise is None) != (c.dp_epsilon
+                                                                                                      is None),
+             others=("dp_noise", "dp_epsilon", "dp_delta", "participation", "clients"),
     *[applies_when(name, lambda c: c.secagg, f"--{name.replace('_', '-')} applies to --secagg; add --secagg or drop "
                    f"it", others=("secagg",), bad=({name: value},))
       for name, value in (("secagg_shares", 3), ("secagg_threshold", 2), ("secagg_clip_range", 4.0),

@@ -53,7 +53,7 @@ ALLOW_LARGE = "--allow-large"  # the command-line switch that lifts the limits (
 class Decl:
     """What :func:`setting` records beside the default (``field.metadata["decl"]``)."""
 
-    help: str = ""
+    help: str | Callable[[], str] = ""  # a callable: written when asked (a list of registered names)
     choices: tuple | Callable[[], Iterable] | None = None  # allowed values (a callable: computed when asked)
     low: float | None = None
     high: float | None = None
@@ -81,6 +81,10 @@ class Decl:
     def allowed(self) -> tuple | None:
         c = self.choices
         return tuple(c()) if callable(c) else c
+
+    def text(self) -> str:
+        """The help, written out (a callable help is called now)."""
+        return self.help() if callable(self.help) else self.help
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
@@ -626,7 +630,7 @@ def rows(cls: type, comments: dict[str, str] | None = None, groups: Iterable[str
     for s in settings_of(cls).values():
         out.append({"name": s.name, "flag": ", ".join([s.flag, *s.decl.flags]) if s.decl.cli else "",
                     "type": type_text(s), "default": default_text(s), "allowed": allowed_text(s),
-                    "help": s.decl.help or (comments or {}).get(s.name, ""), "group": s.decl.group or ""})
+                    "help": s.decl.text() or (comments or {}).get(s.name, ""), "group": s.decl.group or ""})
     order = list(groups) + [r["group"] for r in out if r["group"]] + [""]
     return sorted(out, key=lambda r: order.index(r["group"]))
 
@@ -682,7 +686,7 @@ def help_text(s: Setting) -> str:
         extra.append(d.unit)
     if d.limit is not None:
         extra.append(f"at most {d.limit:,} without {ALLOW_LARGE}")
-    return f"{d.help} ({'; '.join(extra)})" if extra else d.help
+    return f"{d.text()} ({'; '.join(extra)})" if extra else d.text()
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -720,7 +724,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, names: Iterable[st
             if s.decl.group not in groups:
                 groups[s.decl.group] = parser.add_argument_group(s.decl.group)
             g = groups[s.decl.group]
-        h = _Help(s.decl.help or s.name)
+        h = _Help(s.name)  # written when shown (help_text)
         h.setting = s
         flags = [s.flag, *s.decl.flags]
         if s.kind is bool and not s.nullable:

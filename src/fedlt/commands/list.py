@@ -33,24 +33,33 @@ def print_rows(rows: list[dict], flags: bool = True) -> None:
                 print(f"  {'':<20} {line}")
 
 
-def print_sends(cls) -> None:
-    """What a method's clients send (its ``sends``, fedlt.core.privacy) as a table: when, name, kind, category,
-    then what it is, indented; and what each category it names reveals."""
-    from ..core.privacy import CATEGORIES, rows_of
-
-    rows = rows_of(cls)
-    print(f"what leaves the client ({cls.__name__}.sends; docs/privacy.md; a run records it in sent.jsonl):")
-    if not rows:
-        print("  nothing")
-        return
-    w = {k: max(len(k), *(len(r[k]) for r in rows)) for k in ("when", "name", "kind", "category")}
+def _table(rows: list[dict], cols: tuple[str, ...]) -> None:
+    """Rows as a table of ``cols``, then each row's ``what``, indented."""
+    w = {k: max(len(k), *(len(r[k]) for r in rows)) for k in cols}
     print("  " + "  ".join(f"{k:<{w[k]}}" for k in w).rstrip())
     for r in rows:
         print("  " + "  ".join(f"{r[k]:<{w[k]}}" for k in w).rstrip())
-        print(f"  {'':<{w['when']}}  {r['what']}")
+        print(f"  {'':<{w[cols[0]]}}  {r['what']}")
+
+
+def print_sends(cls) -> None:
+    """What a method's clients send (its ``sends``, fedlt.core.privacy) as a table: when, name, kind, category,
+    then what it is, indented; what the Flower engine adds (its own declaration, fedlt.engine.flower.sends), by
+    message, --dp mode and SuperNode; and what each category they name reveals."""
+    from ..core.privacy import CATEGORIES, engine_rows_of, rows_of
+    from ..engine.flower import sends as flower
+
+    rows = rows_of(cls)
+    print(f"what leaves the client ({cls.__name__}.sends; docs/privacy.md; a run records it in sent.jsonl):")
+    _table(rows, ("when", "name", "kind", "category")) if rows else print("  nothing")
+    engine = engine_rows_of(flower.SENDS)
+    print(f"{flower.TITLE}: what it sends besides the method's replies ({flower.WHERE}; sent.jsonl rows with "
+          f"\"engine\": \"{flower.ENGINE}\"; --dp: the modes it is sent under; nodes: 'own data' = only a "
+          f"SuperNode with its own data, not one serving a partition-id):")
+    _table(engine, ("message", "name", "dp", "nodes", "category"))
     print("categories:")
-    for c in dict.fromkeys(r["category"] for r in rows):
-        print(f"  {c:<{w['category']}}  {CATEGORIES[c]}")
+    for c in dict.fromkeys(r["category"] for r in rows + engine):
+        print(f"  {c:<15}  {CATEGORIES[c]}")
 
 
 def main(args) -> int:

@@ -115,9 +115,24 @@ def epsilon(noise: float, rate: float, rounds: int, delta: float, accountant: st
     return float(acc.get_epsilon(delta))
 
 
-def default_delta(population: int) -> float:
-    """delta when --dp-delta is not given: 1 / population^1.1, below 1 / population."""
     return 1.0 / population ** 1.1
+
+
+def default_delta(units: int) -> float:
+    """delta when --dp-delta is not given, for ``units`` protected units (the clients under --dp client; a client's
+
+    must be far below ``1 / units`` to mean anything -- ``units x delta`` is the expected number of units such a
+
+
+def delta_problem(delta: float, units: int, unit: str, what: str) -> str | None:
+    """Why a given delta is too weak for ``units`` protected units (a ``unit``: "client" or "sample"; ``what``: who
+    they are): not below ``1 / units``, where a mechanism that publishes each unit's data with probability delta
+    publishes one of them on average; None where it is below."""
+    if delta * units < 1:
+        return None
+    return (f"--dp-delta {delta:g} is not below 1 / {units} = {1 / units:.3g} ({units}: {what}): at that delta a "
+            f"mechanism may publish a {unit}'s data outright; use at most {default_delta(units):.3g} (the default "
+            f"when --dp-delta is not given)")
 
 
 @functools.lru_cache(maxsize=64)
@@ -413,10 +428,11 @@ class ClientDP:
                  budget: float | None, population: int, per_round: int, rounds: int, quantile: float | None = None,
                  clip_lr: float = 0.2, count_noise: float | None = None, means: tuple[str, ...] = (),
                  num_classes: int = 0, stats_clip: float | None = None, accountant: str = "rdp",
-                 key: str | None = None):
+                 key: str | None = None, source: str = ""):
         require()
         self.clip, self.population, self.rounds = float(clip), int(population), int(rounds)
         self.key = key  # --dp-noise-seed secret: the server's noise key (None: the noise follows from the run's seed)
+        self.source = source  # where the noise comes from, in words (core.noise.noise_source)
         self.first_clip = self.clip
         self.rate = per_round / population
         self.delta = float(delta) if delta is not None else default_delta(population)
@@ -564,6 +580,7 @@ class ClientDP:
                 "weighting": "uniform (every client 1), fixed denominator sample_rate x population",
                 "adjacency": "add or remove one client", "target_epsilon": self.target,
                 "noise_seed": NOISE_SEEDS["run" if self.key is None else "secret"],
+                **({"noise_source": self.source} if self.source else {}),
                 "accountant": f"dp-accounting {version('dp-accounting')} {ACCOUNTANTS[self.accountant]}, "
                               f"PoissonSampledDpEvent(sample_rate, GaussianDpEvent(noise_multiplier)) composed rounds "
                               f"times, get_epsilon(delta)"}

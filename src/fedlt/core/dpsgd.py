@@ -125,6 +125,43 @@ def check_counts_release(cfg, cls, sizes=None) -> None:
                           f"--dp-counts-noise")
 
 
+def check_before_run(cfg, cls, sizes, schedule=None, epochs: int = 1) -> None:
+    """What ``--dp sample`` can tell before a run writes anything, once the clients' ``sizes`` are known (fedlt run's
+    ``prepare``), each a one-line ConfigError: a given ``--dp-delta`` not below ``1 / n`` of the largest client
+    (:func:`delta_refusal`); a ``--dp-epsilon`` the class counts' release alone spends (:func:`check_counts_release`);
+    and with the run's sampling ``schedule`` (``epochs``: a round's epochs, ``Method.dp_round_epochs``) a noise that
+    no client can train under -- even the client with the largest expected batch ``n q`` gets noise of std ``z C /
+    (n q)`` on its averaged step gradient above the clip ``C`` -- and a ``--dp-budget`` that the first round passes."""
+    if cfg.dp != "sample":
+        return
+    sizes = np.asarray(sizes)
+    if cfg.dp_delta is not None and (why := delta_refusal(cfg.dp_delta, sizes)):
+        raise ConfigError(why)
+    check_counts_release(cfg, cls, sizes)
+    if schedule is None:
+        return
+    dp = SampleDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, schedule, lambda: sizes, cfg.dp_budget,
+                  cfg.batch_size, epochs, counts_noise=counts_of(cfg) if reads_counts(cls) else None)
+    noise, batch = {}, {}  # each client's noise multiplier z and expected batch n q = n / L
+    for c in sorted({c for cids in schedule for c in cids}):
+        L = batches_per_epoch(int(sizes[c]), cfg.batch_size)
+        noise[c], batch[c] = dp.noise_of(c, 1.0 / L, epochs * L, keep=False), int(sizes[c]) / L
+    best = min(noise, key=lambda c: (noise[c] / batch[c], c), default=None)
+    if best is not None and noise[best] > batch[best]:
+        given = "--dp-noise" if cfg.dp_noise is not None else f"solved for --dp-epsilon {cfg.dp_epsilon:g}"
+        raise ConfigError(f"--dp sample: the noise multiplier {noise[best]:.3g} ({given}) puts noise of std "
+                          f"{noise[best] / batch[best]:.3g} x --dp-clip on the averaged step gradient even of client "
+                          f"{best}, the least noisy (expected batch {batch[best]:.3g} samples), more than any clipped "
+                          f"gradient moves it, so nothing can train; "
+                          + ("use a smaller --dp-noise" if cfg.dp_noise is not None else
+                             "train fewer --rounds or --local-epochs, or allow a larger --dp-epsilon"))
+    worst, eps = dp.round_epsilon(1)
+    if cfg.dp_budget is not None and eps > cfg.dp_budget:
+        raise ConfigError(f"--dp-budget {cfg.dp_budget:g} is below the first round's epsilon {eps:.3g} (client "
+                          f"{worst}'s, delta {dp.delta:.3g}), so no round could run; raise --dp-budget, or spend less a "
+                          f"round: more noise (--dp-noise, or a smaller --dp-epsilon) or fewer --local-epochs")
+
+
 def reads_counts(cls) -> bool:
     """Whether method class ``cls`` runs under ``--dp sample`` with a loss that reads the client's class counts
     (``dp_sample = "counts"``): its clients' counts are then noised once (:meth:`SampleDP.client_data`)."""
@@ -151,9 +188,36 @@ def check_model(model: torch.nn.Module, name: str) -> None:
 
 
 def default_delta(sizes) -> float:
-    """delta when --dp-delta is not given: 1 / n_max^1.1 (n_max: the largest client's samples), below 1 / n_i for
-    every client."""
-    return 1.0 / float(max(sizes)) ** 1.1
+    """delta when --dp-delta is not given: :func:`fedlt.core.dp.default_delta` of ``n_max`` (the largest client's
+    samples: under --dp sample the unit is a sample, and each client's guarantee is over its own ``n_i``), so
+    ``min(1e-5, 1 / (10 n_max))``, below ``1 / (10 n_i)`` for every client."""
+    from .dp import default_delta as per_unit
+
+    return per_unit(int(max(sizes)))
+
+
+def delta_refusal(delta: float, sizes) -> str | None:
+    """Why a given --dp-delta is too weak for some client: not below ``1 / n_i`` for the client with the most
+    samples (the unit is a sample; :func:`fedlt.core.dp.delta_problem`), or None."""
+    from .dp import delta_problem
+
+    sizes = np.asarray(sizes)
+    if not len(sizes):
+        return None
+    big = int(np.argmax(sizes))
+    return delta_problem(float(delta), int(sizes[big]), "sample", f"the samples of client {big}, the largest; --dp "
+                         f"sample protects each sample")
+
+
+def unamplified_words(table: dict) -> str:
+    """The privacy line's words for the clients of a ``--dp sample`` run's table (:meth:`SampleDP.table`) that had no
+    amplification by sampling (their samples make one batch an epoch, :func:`batches_per_epoch`: sampling rate 1,
+    every sample in every step), or "" where none."""
+    none = table.get("unamplified") or []
+    if not none:
+        return ""
+    return (f"{len(none)} of {len(table['clients'])} clients without amplification by sampling (one batch of "
+            f"--batch-size an epoch: sampling rate 1)")
 
 
 def batches_per_epoch(n: int, batch_size: int) -> int:
@@ -270,15 +334,17 @@ class SampleDP:
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
                  schedule: list[list[int]], sizes: Callable[[], Any], budget: float | None = None,
                  batch_size: int = 32, local_epochs: int = 1, key: str | None = None,
-                 counts_noise: float | None = None, seed: int = 0, riders: tuple[str, ...] = ()):
+                 counts_noise: float | None = None, seed: int = 0, riders: tuple[str, ...] = (), source: str = ""):
         require()
         self.keep = ("num_examples", *riders)  # the meta a round's reply keeps: its size and what rides with it
         # --dp-noise-seed secret: the clients' noise key (a SuperNode's own: on_client); None: from the run's seed
         self.key, self.seed = key, int(seed)
+        self.source = source  # where the noise comes from, in words (core.noise.noise_source)
         # a method whose loss reads the client's class counts (reads_counts): their noise's std (--dp-counts-noise)
         self.counts_noise = None if counts_noise is None else float(counts_noise)
         self.counted: set[int] = set()  # a SuperNode's client whose counts' release the server has counted
         self.clip, self.noise, self.target, self._delta = float(clip), noise, target, delta
+        self._delta_checked = False  # a given delta against the clients' sizes (:attr:`delta`)
         # --dp-budget: the round whose clients' epsilons it would pass is not run (:meth:`over_budget`)
         self.budget, self.schedule, self.batch_size, self.local_epochs = budget, schedule, batch_size, local_epochs
         self.steps_of: dict[int, int] = {}  # each client's steps in a round it trains (known once it has)
@@ -336,8 +402,15 @@ class SampleDP:
 
     @property
     def delta(self) -> float:
+        """--dp-delta, or the default for the clients' sizes; a given one not below ``1 / n`` of the largest client is
+        one line (:func:`delta_refusal`: fedlt run says it before the run, Flower's server once its clients have
+        said their sizes)."""
         if self._delta is None:
             self._delta = default_delta(np.asarray(self.sizes()))
+        elif not self._delta_checked:
+            if why := delta_refusal(self._delta, self.sizes()):
+                raise ConfigError(why)
+            self._delta_checked = True
         return float(self._delta)
 
     # ------------------------------------------------------------------------------------------- the client
@@ -529,12 +602,12 @@ class SampleDP:
         """The worst client's epsilon after the rounds done (``rounds`` is the driver's; the accountants hold them)."""
         return self.worst()[1]
 
-    def over_budget(self, rnd: int) -> str | None:
-        """Why round ``rnd`` may not run (a client it samples would end it with an epsilon past --dp-budget), or
-        None. A client's steps in a round are fixed (``L`` Poisson batches an epoch): the epochs its method's steps
-        ran before, else the run's local epochs; its noise as :meth:`run_steps` would take it."""
-        if self.budget is None or rnd > len(self.schedule):
-            return None
+    def round_epsilon(self, rnd: int) -> tuple[int | None, float]:
+        """The client of round ``rnd`` whose epsilon would be the largest after it, and that epsilon (None, 0 for a
+        round past the schedule). A client's steps in a round are fixed (``L`` Poisson batches an epoch): the epochs
+        its method's steps ran before, else the run's local epochs; its noise as :meth:`run_steps` would take it."""
+        if rnd > len(self.schedule):
+            return None, 0.0
         sizes = np.asarray(self.sizes())
         worst, eps = None, 0.0
         for c in self.schedule[rnd - 1]:
@@ -544,6 +617,14 @@ class SampleDP:
             e = epsilon_of(tuple(map(tuple, self.history_of(c))) + ((z, 1.0 / L, steps),), self.delta)
             if e > eps:
                 worst, eps = c, e
+        return worst, eps
+
+    def over_budget(self, rnd: int) -> str | None:
+        """Why round ``rnd`` may not run (a client it samples would end it with an epsilon past --dp-budget), or
+        None (:meth:`round_epsilon`)."""
+        if self.budget is None:
+            return None
+        worst, eps = self.round_epsilon(rnd)
         if eps <= self.budget:
             return None
         return (f"stopped before round {rnd}: client {worst}'s epsilon would reach {eps:.3g} in it, past --dp-budget "
@@ -588,10 +669,12 @@ class SampleDP:
                                 "steps": int(sum(h[2] for h in self.histories[c])) - len(self.prefix()),
                                 "history": [list(h) for h in self.histories[c]], "epsilon": self.client_epsilon(c)}
                             for c in sorted(self.histories)},
+                "unamplified": [c for c in sorted(self.histories) if self.rates[c] >= 1.0],
                 "sampling": "Poisson: each sample in a step with probability sample_rate = 1 / (its batches an "
                             "epoch), 1 / sample_rate steps an epoch (opacus UniformWithReplacementSampler)",
                 "adjacency": "add or remove one sample of one client",
                 "noise_seed": NOISE_SEEDS["run" if self.key is None else "secret"],
+                **({"noise_source": self.source} if self.source else {}),
                 **({} if self.counts_noise is None else {
                     "counts_noise": self.counts_noise,
                     "counts": "the method's loss reads each client's class counts: it reads them plus N(0, "

@@ -34,10 +34,37 @@ def keyed_seed(key: str, *ints: int) -> int:
     return derive_seed(*(int(key[i:i + 8], 16) for i in range(0, 64, 8)), *ints)
 
 
-def noise_key(cfg) -> str | None:
-    """A new secret noise key for a run with ``--dp-noise-seed secret`` (a resumed run then takes its checkpoint's),
-    else None."""
-    return new_key() if getattr(cfg, "dp_noise_seed", "run") == "secret" else None
+# --dp-noise-seed's default, the engine's: where one process (or Flower's simulation) runs every client, the run's
+# seed, for reproducible experiments; where SuperNodes run them (a deployment: fedlt flower run / supernode), the
+# secret key, since there the server that chose the seed would otherwise know each SuperNode's DP-SGD noise
+ENGINE_DEFAULT = {False: "run", True: "secret"}  # by "deployed"
+
+
+def noise_seed(choice: str | None, deployed: bool = False) -> str:
+    """--dp-noise-seed as a run takes it: the one given, else the engine's default (:data:`ENGINE_DEFAULT`)."""
+    return choice or ENGINE_DEFAULT[bool(deployed)]
+
+
+def noise_key(cfg, deployed: bool = False) -> str | None:
+    """A new secret noise key for a run whose noise seed is ``secret`` (:func:`noise_seed`; a resumed run then takes
+    its checkpoint's), else None."""
+    return new_key() if noise_seed(getattr(cfg, "dp_noise_seed", None), deployed) == "secret" else None
+
+
+def noise_source(cfg, level: str, deployed: bool = False) -> str:
+    """Where a run's DP noise comes from, in the words of its privacy line (``level``: client or sample); on a
+    deployment run-seeded noise only where asked for, and said so."""
+    seed = noise_seed(getattr(cfg, "dp_noise_seed", None), deployed)
+    if seed == "secret":
+        if deployed:
+            return "each SuperNode's noise drawn from a secret key of its own" if level == "sample" else \
+                "noise drawn from the server's secret key"
+        return "noise drawn from a secret key"
+    if deployed:  # asked for: the default there is secret
+        return ("noise drawn from --seed, as --dp-noise-seed run asks: the server knows it and can subtract each "
+                "SuperNode's noise" if level == "sample" else
+                "noise drawn from --seed, as --dp-noise-seed run asks: whoever knows it can subtract the noise")
+    return "noise drawn from --seed (reproducible)"
 
 
 def noise_generator(key: str | None, seed: int, *ints: int) -> torch.Generator:

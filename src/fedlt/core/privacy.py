@@ -8,6 +8,10 @@ every exchange's replies to :func:`sends_check` (``FEDLT_CHECK_SENDS=1``: an und
 one line; the test suite sets it) and the run directory records what left the clients in ``sent.jsonl``
 (:class:`SentLog`). ``fedlt list METHOD`` and the generated page ``docs/privacy.md`` show the declarations. What the
 engine adds where the clients apply the DP themselves (:data:`ENGINE_SENDS`) is matched and recorded the same way.
+An engine whose own protocol has the clients send more (Flower's describe and evaluation replies, the fields around
+a training reply) declares it too, as :class:`EngineSent` items by message, ``--dp`` mode and kind of client
+(``fedlt.engine.flower.sends``); :func:`engine_record` matches and records them (``sent.jsonl`` rows with
+``"engine"``), strictly with ``FEDLT_CHECK_SENDS=1``.
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ CATEGORIES: dict[str, str] = {
                        "inversion works on, class by class",
     "features": "features of the client's samples or a statistic of them (a mean feature), or synthetic samples",
     "echo": "a value the server sent, returned (a mode, which experts trained): nothing about the client's data",
+    "protocol": "an engine's bookkeeping (which client answers, whether it keeps a state, which model it evaluated "
+                "with): nothing about the client's data but what its entry says",
 }
 
 MODEL = "<model>"  # stands for any entry of the method's model state dict (``method.net.state_dict()`` keys)
@@ -112,13 +118,60 @@ def sent(name: str, category: str, what: str, *, meta: bool = False, when: str =
 
 
 # What the engine's own protocol adds to a method's replies where the clients apply the DP themselves (Flower's
-# ClientApp): matched before the method's declaration (whose patterns may be wider), recorded like it.
+# ClientApp): matched before the method's declaration (whose patterns may be wider), recorded like it; listed with the
+# Flower engine's other items (fedlt.engine.flower.sends).
 ENGINE_SENDS: tuple[Sent, ...] = (
     sent("dp_unclipped", "scalars", "--dp client on Flower: whether its update was within the clip (1) or not (0), "
          "which adaptive clipping counts", meta=True, numbers_only=True),
     sent("dp_history", "scalars", "--dp sample on Flower: its accountant's entries of the message, [(noise "
          "multiplier, sampling rate, steps)], which follow from its size and the run's settings", meta=True, when=ANY),
 )
+
+
+# ------------------------------------------------------------------------------------------------ an engine's own
+DP_MODES = ("off", "client", "sample")  # the --dp modes (RunConfig.dp's choices) an EngineSent is sent under
+DATA_DIR = "data-dir"  # an EngineSent's ``nodes``: only clients that hold their own data (not the run's partition)
+
+
+@dataclass(frozen=True)
+class EngineSent:
+    """One thing an engine's own protocol has a client send, besides the method's replies (Flower's describe and
+    evaluation replies, the fields around a training reply): ``name``, an fnmatch pattern of the field; the
+    ``messages`` whose replies carry it; its ``category`` (:data:`CATEGORIES`) and in words ``what`` it is; ``dp``,
+    the ``--dp`` modes under which it is sent (the shrunken forms of a DP run are the items that lack a mode);
+    ``nodes``: "" (every client) or :data:`DATA_DIR` (only a client that holds its own data: where the run's settings
+    give the server its data's facts, it sends none). An engine declares a tuple of them, as a method its ``sends``
+    (``fedlt.engine.flower.sends``)."""
+
+    messages: tuple[str, ...]
+    name: str
+    category: str
+    what: str
+    dp: tuple[str, ...] = DP_MODES
+    nodes: str = ""
+
+    def __post_init__(self):
+        if self.category not in CATEGORIES:
+            raise ValueError(f"EngineSent {self.name!r}: category {self.category!r} is none of {', '.join(CATEGORIES)}")
+        if not set(self.dp) <= set(DP_MODES) or self.nodes not in ("", DATA_DIR):
+            raise ValueError(f"EngineSent {self.name!r}: dp must be among {', '.join(DP_MODES)}, nodes '' or {DATA_DIR}")
+
+    def applies(self, message: str, dp: str, own_data: bool) -> bool:
+        return message in self.messages and dp in self.dp and (own_data or self.nodes != DATA_DIR)
+
+
+def engine_match(items: tuple[EngineSent, ...], message: str, name: str, dp: str, own_data: bool) -> EngineSent | None:
+    """The first of an engine's declared ``items`` that covers field ``name`` of a ``message`` reply, sent under
+    ``--dp dp`` by a client that holds its own data (``own_data``) or serves the run's partition; None: undeclared."""
+    return next((e for e in items if e.applies(message, dp, own_data) and fnmatchcase(name, e.name)), None)
+
+
+def engine_rows_of(items: tuple[EngineSent, ...]) -> list[dict[str, str]]:
+    """An engine's declaration as table rows: messages, name, dp (the modes, "any" for all), nodes, category, what."""
+    return [{"message": ", ".join(e.messages), "name": e.name,
+             "dp": "any" if set(e.dp) == set(DP_MODES) else ", ".join(e.dp),
+             "nodes": "own data" if e.nodes == DATA_DIR else "any", "category": e.category, "what": e.what}
+            for e in items]
 
 
 def class_gaussian_sends(prefix: str, when: str, backbone: str) -> tuple[Sent, ...]:
@@ -280,10 +333,17 @@ def summarise(method, kind: str, index: int, replies: list) -> list[dict]:
     most, where clients differ), "shape" (of one client's, when it sent one and all agree), "bytes" (summed over
     the clients), "clients" (how many sent it)."""
     ex = exchange_of(kind)
+    at = {"round": index} if kind == "train" else {"phase": kind}
+    return grouped(at, [classify(method, ex, msg) for _, msg in replies])
+
+
+def grouped(at: dict, per_client: list[list[dict]]) -> list[dict]:
+    """Rows of :func:`classify` (or :func:`engine_classify`), one list per client, as ``sent.jsonl`` rows: ``at``
+    (where they were sent) and one row per declared item (an undeclared one: per name)."""
     groups: dict[tuple, dict] = {}
-    for _, msg in replies:
+    for client_rows in per_client:
         per: dict[tuple, list] = {}
-        for r in classify(method, ex, msg):
+        for r in client_rows:
             key = (r["declared"] or r["name"], r["kind"], r["category"])
             per.setdefault(key, []).append(r)
         for key, rows in per.items():
@@ -292,7 +352,6 @@ def summarise(method, kind: str, index: int, replies: list) -> list[dict]:
             g["bytes"] += sum(r["bytes"] for r in rows)
             g["clients"] += 1
             g["shapes"].add(tuple(rows[0]["shape"]) if len(rows) == 1 else None)
-    at = {"round": index} if kind == "train" else {"phase": kind}
     out = []
     for (name, k, cat), g in groups.items():
         row = {**at, "sent": name, "category": cat, ("values" if k == "meta" else "arrays"): g["n"]}
@@ -300,6 +359,35 @@ def summarise(method, kind: str, index: int, replies: list) -> list[dict]:
             row["shape"] = list(next(iter(g["shapes"])))
         out += [{**row, "bytes": g["bytes"], "clients": g["clients"]}]
     return out
+
+
+def engine_classify(items: tuple[EngineSent, ...], message: str, fields: dict[str, Any], dp: str,
+                    own_data: bool) -> list[dict]:
+    """Every field of one client's ``message`` reply that an engine's own protocol adds (``fields``: name -> value)
+    matched to the engine's declared ``items`` (:func:`engine_match`): rows as :func:`classify` makes them."""
+    rows = []
+    for name, v in fields.items():
+        e = engine_match(items, message, name, dp, own_data)
+        rows.append({"name": name, "kind": "meta", "shape": shape_of(v), "bytes": bytes_of(v),
+                     "category": e.category if e else UNDECLARED, "declared": e.name if e else None})
+    return rows
+
+
+def engine_record(engine: str, items: tuple[EngineSent, ...], message: str, at: dict, replies: list, dp: str,
+                  where: str) -> list[dict]:
+    """One exchange's engine fields as ``sent.jsonl`` rows (``at`` and ``{"engine", "message"}`` first), from
+    ``replies``: (client id, fields, whether the client holds its own data). With ``FEDLT_CHECK_SENDS=1`` a field
+    the engine does not declare stops the run with one line (``where``: the module that declares them)."""
+    per_client = []
+    for cid, fields, own_data in replies:
+        rows = engine_classify(items, message, fields, dp, own_data)
+        bad = next((r for r in rows if r["category"] == UNDECLARED), None)
+        if bad is not None and strict():
+            raise ConfigError(f"the {engine} engine's client {cid} sent {bad['name']!r} in its {message} reply (--dp "
+                              f"{dp}, {'its own data' if own_data else 'a client of the run partition'}), which "
+                              f"{where} does not declare: declare it there ({DOC})")
+        per_client.append(rows)
+    return grouped({**at, "engine": engine, "message": message}, per_client)
 
 
 class SentLog:
@@ -324,13 +412,21 @@ class SentLog:
         self.file = open(self.path, "a", buffering=1)
 
     def __call__(self, kind: str, index: int, replies: list) -> None:
-        rows = summarise(self.method, kind, index, replies)
-        for r in rows:
-            if r["category"] == UNDECLARED and not self.said:
-                self.said = True
-                self.echo(f"note: {self.method.name}'s clients sent {r['sent']!r} in {where(kind, index)}, which "
-                          f"{type(self.method).__name__}.sends does not declare: {SENT} records it as undeclared "
-                          f"(add a Sent for it, {DOC})")
+        self.write(summarise(self.method, kind, index, replies),
+                   lambda r: f"{self.method.name}'s clients sent {r['sent']!r} in {where(kind, index)}, which "
+                             f"{type(self.method).__name__}.sends does not declare: {SENT} records it as undeclared "
+                             f"(add a Sent for it, {DOC})")
+
+    def write(self, rows: list[dict], note: Callable[[dict], str] | None = None) -> None:
+        """Rows of what left the clients appended as they are (an engine's own items: :func:`engine_record`); the
+        first undeclared one of the run is said once (``note``: in words)."""
+        bad = next((r for r in rows if r["category"] == UNDECLARED), None)
+        if bad is not None and not self.said:
+            self.said = True
+            self.echo("note: " + (note(bad) if note else
+                                  f"the clients sent {bad['sent']!r} in the {bad.get('engine', '')} engine's "
+                                  f"{bad.get('message', '')} replies, which the engine does not declare: {SENT} "
+                                  f"records it as undeclared ({DOC})"))
         self.file.write("".join(json.dumps(r) + "\n" for r in rows))
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ import torch
 from ..config import RunConfig, clients_per_round, lr_at, worker_count
 from ..core.dp import ClientDP, class_means
 from ..core.dpsgd import SampleDP, counts_of, reads_counts, riders
-from ..core.noise import noise_generator, noise_key
+from ..core.noise import noise_generator, noise_key, noise_source
 from ..core.method import Message, Method, derive_seed
 from ..core.privacy import sends_check
 from ..core.secagg import SecAgg, largest_client
@@ -130,12 +130,14 @@ class EngineConfig:
     lr_of_round: Callable[[int], float] | None = None  # each round's local lr (config.lr_at); None: spec.lr, constant
     faults: Faults | None = None  # clients away, dropping out, straggling (engine.faults); None: every one answers
     worker_processes: int = 0  # --workers, resolved (config.worker_count): 0 trains the clients in this process
+    deployed: bool = False  # the clients are SuperNodes of a deployment (--dp-noise-seed's default: core.noise)
 
     @classmethod
-    def of(cls, cfg, progress: bool = True) -> "EngineConfig":
+    def of(cls, cfg, progress: bool = True, deployed: bool = False) -> "EngineConfig":
         """The engine's part of a run configuration (``fedlt.config.RunConfig``)."""
         return cls(**settings_values(cfg, "engine"), progress=progress, lr_of_round=partial(lr_at, cfg),
-                   faults=faults if (faults := Faults.of(cfg)).active else None, worker_processes=worker_count(cfg))
+                   faults=faults if (faults := Faults.of(cfg)).active else None, worker_processes=worker_count(cfg),
+                   deployed=deployed)
 
 
 Replies = list[tuple[int, Message]]  # (client id, reply), in client-id order
@@ -183,15 +185,17 @@ class Driver:
                                                             cfg.dp_budget, num_clients, per_round, cfg.rounds,
                                                             cfg.dp_clip_quantile, cfg.dp_clip_lr, cfg.dp_count_noise,
                                                             class_means(method.sends), method.spec.num_classes,
-                                                            cfg.dp_stats_clip, cfg.dp_accountant, noise_key(cfg))
+                                                            cfg.dp_stats_clip, cfg.dp_accountant,
+                                                            noise_key(cfg, cfg.deployed),
+                                                            noise_source(cfg, "client", cfg.deployed))
         self.schedule = sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed) if self.dp is None else \
             poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed)
         if cfg.dp == "sample":  # --dp sample (core.dpsgd): DP-SGD in every client's described steps, an accountant each
             self.dp = method.dpsgd = SampleDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, self.schedule,
                                               lambda: self.counts().sum(1), cfg.dp_budget, method.spec.batch_size,
-                                              method.dp_round_epochs(), noise_key(cfg),
+                                              method.dp_round_epochs(), noise_key(cfg, cfg.deployed),
                                               counts_of(cfg) if reads_counts(type(method)) else None, cfg.seed,
-                                              riders(type(method)))
+                                              riders(type(method)), noise_source(cfg, "sample", cfg.deployed))
         self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)
         # --secagg (core.secagg): the server receives a training round's replies as SecAgg+ unmasks them; a transport
         # that runs the protocol itself says so (``secagg``: Flower's), the others' rounds simulate it (exchange)

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from ..config import RunConfig, name_part
+from ..core.dpsgd import unamplified_words
+from ..core.finetune import GapMeter, feature_federation
 from ..core.method import Method, RunSpec
 from ..core.privacy import SentLog
 from ..core.state import tree_of
@@ -28,6 +30,7 @@ from ..data.partition import partition_settings
 from ..data.split import default_lt_profile, partition_document
 from ..decl import settings_values
 from ..engine import EngineConfig, Simulation
+from ..engine.driver import TRAINING
 from ..errors import ConfigError, Diverged
 from ..jsonutil import dumps
 from ..metrics import GROUPS
@@ -53,7 +56,15 @@ def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
                    data=dict(dataset=cfg.dataset, data_dir=cfg.data_dir, imbalance_ratio=cfg.imbalance_ratio,
                              lt_profile=lt_profile_of(cfg, fed), tail_classes=cfg.tail_classes, n_max=cfg.n_max,
                              seed=cfg.seed, dataset_kw=cfg.dataset_kw(), input_mean=list(fed.prep.mean),
-                             input_std=list(fed.prep.std)))
+                             input_std=list(fed.prep.std), class_names=list(fed.dataset.class_names)))
+
+
+def input_note(spec: RunSpec, in_shape) -> str:
+    """The line a run prints about a pre-trained model's input (how the dataset's images are made its own); ""
+    for other models."""
+    from ..pretrained import is_pretrained, load_for
+
+    return load_for(spec).describe(in_shape) if is_pretrained(spec.model) else ""
 
 
 def lt_profile_of(cfg: RunConfig, fed: Federation) -> str:
@@ -84,14 +95,20 @@ def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
         torch.set_num_threads(cfg.threads)
     set_determinism(cfg.deterministic)
     fed = fed or federation_for(cfg)
+    if cfg.finetune == "head":  # the samples as the frozen backbone's features, each client's encoded once
+        fed = feature_federation(fed, make_spec(cfg, fed))
     spec = make_spec(cfg, fed)
     cls = method_class(cfg)
     method = cls(spec, cls.make_params(cfg.params, cfg.allow_large))
     if cfg.dp == "sample":  # DP-SGD cannot bound a sample's influence through BatchNorm: one line (core.dpsgd)
-        from ..core.dpsgd import check_counts_release, check_model
+        from ..config import clients_per_round
+        from ..core.dpsgd import check_before_run, check_model
+        from ..engine.driver import sampling_schedule
 
         check_model(method.new_model(), spec.model)
-        check_counts_release(cfg, cls, [len(c) for c in fed.clients])
+        check_before_run(cfg, cls, [len(c) for c in fed.clients], sampling_schedule(
+            cfg.clients, clients_per_round(cfg.clients, cfg.participation), cfg.rounds, cfg.seed),
+            method.dp_round_epochs())
         if why := cls.dp_sample_refusal(method.p):  # as the command line's validation (a RunConfig built in Python)
             raise ConfigError(f"--dp sample: {why}")
     if getattr(method, "needs_pool", False):  # the centralized reference trains on all clients' data pooled
@@ -204,7 +221,8 @@ def _run_locked(cfg, pr: Prepared, out: Path, progress, echo, checkpoint_every, 
     sim = Simulation(method, fed, EngineConfig.of(cfg, progress))
     try:
         return run_recorded(sim, cfg, out, config, fed, fed.test_sizes(), echo,
-                            checkpoint_every=checkpoint_every, resume=resume, labels=labels, intro=fed.summary())
+                            checkpoint_every=checkpoint_every, resume=resume, labels=labels,
+                            intro="\n".join(filter(None, (input_note(pr.spec, fed.dataset.in_shape), fed.summary()))))
     finally:
         sim.close()  # worker processes (--workers) end with the run
 
@@ -260,6 +278,12 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     # sent.jsonl: what left the clients, per exchange and declared item (core.privacy); a resumed run appends
     sent = SentLog(out, driver.method, echo, resumed_after=ck["sim"]["round"] if ck is not None else None)
     driver.on_replies.append(sent)
+    if driver.method.spec.finetune == "lora":  # LoRA's aggregation gap, each round (core.finetune)
+        gap = GapMeter(driver.method.spec)
+        driver.on_replies.append(lambda kind, index, replies: gap.replies(replies) if kind == TRAINING else None)
+        driver.after_train.append(gap.record)
+    if (record_to := getattr(driver.transport, "record_to", None)) is not None:  # an engine's own items (Flower's)
+        record_to(sent)
     C = fed.num_classes
     heads: dict = {}
     saved = {"round": ck["sim"]["round"] if ck is not None else None}
@@ -371,6 +395,7 @@ def format_summary(summary: dict) -> str:
         lines.append(f"privacy: sample-level ({d['epsilon']:.3g}, {d['delta']:.3g})-DP for the worst client (client "
                      f"{d['worst_client']}) after {d['rounds']} rounds (DP-SGD, clip {d['clip']:g}, noise multiplier "
                      + (f"{d['noise_multiplier']:.3g}" if d['noise_multiplier'] is not None else "solved per client")
+                     + "".join(f"; {x}" for x in (unamplified_words(d), d.get("noise_source")) if x)
                      + "; summary.json's dp table has every client's accountant inputs)")
     elif "dp" in summary:
         d = summary["dp"]
@@ -380,5 +405,6 @@ def format_summary(summary: dict) -> str:
                      + (f"; with the class statistics {', '.join(d['class_means'])}.* as noised per-class means, clip "
                         f"{d['stats_clip']:g}, each release at noise multiplier {d['release_noise']:.3g}"
                         if d.get("class_means") else "")
+                     + (f"; {d['noise_source']}" if d.get("noise_source") else "")
                      + "; summary.json's dp table has the accountant's inputs)")
     return "\n".join(lines)

@@ -6,9 +6,11 @@ client needs nothing but its data and this package):
 ======================  ==========================================================================
 message type            what the client does
 ======================  ==========================================================================
-``query.describe``      says who it is: client id, training label counts, test-set size (under
-                        ``--dp client``: client id, and whether it serves the run's partition; under
-                        ``--dp sample`` its number of samples besides)
+``query.describe``      says who it is: client id, and whether it serves the run's partition (then
+                        nothing of its data: the server rebuilds it from the settings); a SuperNode
+                        with its own data also its label counts and sizes (under ``--dp client``
+                        none, under ``--dp sample`` its number of samples): each form declared in
+                        :mod:`fedlt.engine.flower.sends`
 ``train``               ``method.local_train(payload, cstate, data, gen)`` at the round's lr (the
                         payload's config, ``payload.lr``), gen = the driver's (round, client)
                         generator; under ``--secagg`` through Flower's ``secaggplus_mod``, which
@@ -17,7 +19,8 @@ message type            what the client does
 ``train.phase``         ``method.phase_client(name, payload, cstate, data, gen)`` (a post-training
                         phase, e.g. a realignment or fine-tuning, one message per phase)
 ``evaluate``            personalized evaluation on its own test set:
-                        ``method.personal_model(eval_payload, cstate, data)`` -> accuracy reports
+                        ``method.personal_model(eval_payload, cstate, data)`` -> accuracy and group
+                        accuracies (what PM aggregates; :mod:`fedlt.engine.flower.sends`)
 ======================  ==========================================================================
 
 Where the data comes from (the SuperNode's ``--node-config``):
@@ -31,9 +34,8 @@ Where the data comes from (the SuperNode's ``--node-config``):
 
 ``--dp client`` (DP-FedAvg, :mod:`fedlt.core.dp`): the reply to ``train`` leaves clipped to the round's clip (the
 message's ``dp-clip``), integer entries as received, with ``num_examples`` 1 and the clipping bit and nothing else
-(:func:`fedlt.core.dp.client_reply`); a phase's with ``num_examples`` 1 only (:func:`fedlt.core.dp.phase_reply`); an
-evaluation's reports hold accuracy and group accuracies only (no per-class accuracies); ``describe`` says no label
-counts, test-set or training-set size. The server adds the noise. Flower 1.42's DP pieces do not fit:
+(:func:`fedlt.core.dp.client_reply`); a phase's with ``num_examples`` 1 only (:func:`fedlt.core.dp.phase_reply`);
+``describe`` says no label counts, test-set or training-set size. The server adds the noise. Flower 1.42's DP pieces do not fit:
 ``fixedclipping_mod`` / ``adaptiveclipping_mod`` want one ArrayRecord and one ConfigRecord per message (fedlt's
 carry several) and clip every array, integer buffers included, in float32 (not the simulator's clip), and the
 adaptive bit marks a *clipped* update (Andrew et al. count the unclipped); the ``DifferentialPrivacy*Clipping``
@@ -45,8 +47,8 @@ only. Both sides run :mod:`fedlt.core.dp`'s functions instead.
 DP-SGD here (``SampleDP.on_client``, from the run's settings and the message's ``dp-delta``, ``dp-rounds`` and, once
 the server knows it, ``dp-noise``); the reply leaves with the model, ``num_examples`` and the accountant's entries of
 this message (``dp_history``), nothing else (``SampleDP.client_reply``); the server keeps every client's accountant.
-``describe`` says the client's number of samples (public in DP-SGD's analysis) and no label counts; an evaluation's
-reports hold accuracy and group accuracies only, as under ``--dp client``.
+``describe`` says no label counts, and from a SuperNode with its own data its number of samples (public in DP-SGD's
+analysis).
 
 The client state (personal heads, personal models, control variates) lives in ``context.state`` and never
 enters a reply. It belongs to the fedlt run (the ``fedlt-run`` id of every message, kept in the run directory),
@@ -73,8 +75,10 @@ from flwr.clientapp import ClientApp
 
 from ...config import RunConfig
 from ...core.dp import STATS_CLIP, class_means, client_reply, phase_reply
+from ...core.privacy import engine_match
 from ...core.dpsgd import SampleDP, reads_counts, riders
 from ...core.method import Message, Method, RunSpec
+from ...core.noise import noise_seed
 from ...core.spec import milestones_text
 from ...core.state import tree_of
 from ...data.federated import ClientData, Prep
@@ -82,11 +86,12 @@ from ...data.partition import partition_settings
 from ...core.training import autocast
 from ..driver import PHASE, TRAIN, client_generator
 from ...errors import ConfigError, DataError
-from ...metrics import GROUPS, as_modes, client_reports, client_split
+from ...metrics import as_modes, client_reports, client_split
 from ...plugins import method_class
 from .records import (control, enter_session, from_records, load_client_state, node_noise_key, records_value,
                       save_client_state, to_records)
 from .secagg import client_mod as secagg_mod
+from .sends import DESCRIBE, REPORTED, SENDS
 
 app = ClientApp()
 
@@ -235,7 +240,8 @@ class Node:
         # --dp sample: this message's DP-SGD (a train or phase message's; the cached method serves other runs too)
         # (--dp-noise-seed secret: from this SuperNode's own key, records.node_noise_key)
         training = job.cfg.dp == "sample" and msg.metadata.message_type.startswith("train")
-        key = node_noise_key(context.state, state_dir, run) if training and job.cfg.dp_noise_seed == "secret" else None
+        secret = noise_seed(job.cfg.dp_noise_seed, deployed=True) == "secret"  # a server that says none: its own key
+        key = node_noise_key(context.state, state_dir, run) if training and secret else None
         method.dpsgd = SampleDP.on_client(job.cfg, cid, ctl, key, reads_counts(type(method)),
                                           riders(type(method))) if training else None
         return cls(cid, data, method, job, state_dir, run, ctl)
@@ -264,21 +270,23 @@ class Node:
         save_client_state(context.state, cstate, self.cid, self.state_dir, self.run, tag, keep)
 
     def reply(self, msg: FlwrMessage, fm: Message | None = None, **fields_) -> FlwrMessage:
-        rd = to_records(fm if fm is not None else Message(), {"client-id": self.cid, **fields_}, "reply")
+        rd = to_records(fm if fm is not None else Message(), {"client-id": self.cid, **fields_}, "reply", metrics=False)
         return FlwrMessage(rd, reply_to=msg)
 
 
 # ------------------------------------------------------------------------- handlers
 @app.query("describe")
 def describe(msg: FlwrMessage, context: Context) -> FlwrMessage:
+    """Who it is (its client id, whether it serves the run's partition) and, from a SuperNode holding its own data,
+    the facts of it that the engine declares for the run's --dp mode (:mod:`.sends`: its label counts and sizes;
+    under --dp client none, under --dp sample its size); a client of the partition sends none of them (the server
+    rebuilds it from the run's settings)."""
     node = Node.of(msg, context)
-    partition = node_setting(context, "partition-id") is not None
-    if node.job.cfg.dp == "client":  # nothing of its data: its label counts would reveal its label distribution
-        return node.reply(msg, partition=partition)
-    if node.job.cfg.dp == "sample":  # its size sets its DP-SGD sampling rate (public in the analysis); no counts
-        return node.reply(msg, partition=partition, **{"num-examples": len(node.data)})
-    return node.reply(msg, counts=[int(c) for c in node.data.counts], **{"test-size": len(node.data.test_y),
-                                                                          "num-examples": len(node.data)})
+    own = node_setting(context, "partition-id") is None
+    facts = {"counts": [int(c) for c in node.data.counts], "test-size": len(node.data.test_y),
+             "num-examples": len(node.data)}
+    said = {k: v for k, v in facts.items() if engine_match(SENDS, DESCRIBE, k, node.job.cfg.dp, own)}
+    return node.reply(msg, partition=not own, **said)
 
 
 @app.train(mods=[secagg_mod])  # a SecAgg+ round's messages through Flower's secaggplus_mod (--secagg)
@@ -322,7 +330,7 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
 
 @app.evaluate()
 def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
-    """PM on the client's own test set; the reports go back as JSON (accuracy, per class, many/medium/few)."""
+    """PM on the client's own test set; the reports go back as JSON (accuracy, many/medium/few: :mod:`.sends`)."""
     node = Node.of(msg, context)
     ctl = control(msg.content)
     cstate = node.client_state(context)
@@ -341,8 +349,8 @@ def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
     gsplit = {g: np.asarray(v, dtype=np.int64) for g, v in json.loads(str(ctl["gsplit"])).items()}
     csplit = client_split(node.data.counts, str(ctl["split"]), gsplit)
     reports = client_reports(pp, node.data, m.spec.num_classes, csplit)
-    if node.job.cfg.dp != "off":  # what PM aggregates, not which classes its test set holds
-        reports = {mode: {k: rep[k] for k in ("acc", *GROUPS, "nonfinite") if k in rep} for mode, rep in reports.items()}
+    # what PM aggregates (the engine's declaration, .sends), not which classes its test set holds
+    reports = {mode: {k: rep[k] for k in REPORTED if k in rep} for mode, rep in reports.items()}
     return node.reply(msg, source=source, reports=json.dumps(reports))
 
 

@@ -115,14 +115,17 @@ def server_identity(run_id: int = 1):
 
 
 def run_inprocess(cfg: RunConfig, out: str | Path | None = None, fault: Fault | None = None,
-                  node_configs: list[dict] | None = None, echo=print, **flower) -> tuple[FedltStrategy, InProcessGrid, dict]:
+                  node_configs: list[dict] | None = None, echo=print, deployed: bool = False,
+                  **flower) -> tuple[FedltStrategy, InProcessGrid, dict]:
     """A whole fedlt run through the Flower ServerApp logic and ClientApp in this process. Nodes default to one
     per client of the partition (``partition-id`` = 0..clients-1). ``checkpoint_every`` / ``resume``: as for
-    ``fedlt run`` (the nodes' client states are part of the checkpoint). Returns (strategy, grid, summary)."""
+    ``fedlt run`` (the nodes' client states are part of the checkpoint). ``deployed``: the server acts as a
+    deployment's (``--dp-noise-seed`` defaults to the SuperNodes' own keys). Returns (strategy, grid, summary)."""
     opts = {**FLOWER_DEFAULTS, **{k.replace("_", "-"): v for k, v in flower.items()}}
     nodes = node_configs if node_configs is not None else [{"partition-id": i} for i in range(cfg.clients)]
     grid = InProcessGrid(nodes, fault=fault)
-    strategy = FedltStrategy(cfg, opts["round-timeout"], opts["wait-timeout"], opts["poll-interval"], echo=echo)
+    strategy = FedltStrategy(cfg, opts["round-timeout"], opts["wait-timeout"], opts["poll-interval"], echo=echo,
+                             deployed=deployed)
     with server_identity():
         summary = strategy.run(grid, Path(out) if out is not None else None,
                                checkpoint_every=int(opts["checkpoint-every"]), resume=bool(opts["resume"]))

@@ -9,7 +9,9 @@ record              type                holds
 ``meta``            ``ConfigRecord``    ``Message.meta`` as a JSON skeleton (``json``); tensors or numpy
                                         arrays inside meta go to ``meta-arrays`` (an ``ArrayRecord``)
 ``metrics``         ``MetricRecord``    the numeric scalars of meta, ``num_examples`` also as Flower's
-                                        ``num-examples`` (read by Flower tooling, never by fedlt)
+                                        ``num-examples`` (read by Flower tooling, never by fedlt): a
+                                        server's message only; a client's reply carries no copy of its
+                                        meta (``metrics=False``: what it sends is what is declared)
 ``config``          ``ConfigRecord``    ``Message.config``, the round's values the driver sets (``lr``),
                                         where there are any: Flower's per-round config
 ==================  ==================  ===============================================================
@@ -37,18 +39,21 @@ CONTROL = "fedlt"
 CSTATE, CSTATE_ARRAYS = "fedlt.cstate", "fedlt.cstate.arrays"
 
 
-def to_records(msg: Message, control: dict[str, Any] | None = None, what: str = "message") -> RecordDict:
-    """The RecordDict that carries ``msg`` (and the engine's ``control`` fields)."""
+def to_records(msg: Message, control: dict[str, Any] | None = None, what: str = "message",
+               metrics: bool = True) -> RecordDict:
+    """The RecordDict that carries ``msg`` (and the engine's ``control`` fields); with ``metrics``, its numeric meta
+    again as Flower's ``MetricRecord``."""
     skeleton, meta_arrays = pack(msg.meta, f"{what} meta")
     rd = RecordDict({"arrays": ArrayRecord({k: v.detach().cpu() for k, v in msg.arrays.items()}),
                      "meta": ConfigRecord({"json": skeleton})})
     if meta_arrays:
         rd["meta-arrays"] = ArrayRecord(meta_arrays)
-    scalars = {k: v for k, v in msg.meta.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if "num_examples" in scalars:
-        scalars["num-examples"] = scalars["num_examples"]
-    rd["metrics"] = MetricRecord(scalars)
+    if metrics:
+        scalars = {k: v for k, v in msg.meta.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if "num_examples" in scalars:
+            scalars["num-examples"] = scalars["num_examples"]
+        rd["metrics"] = MetricRecord(scalars)
     if msg.config:
         rd["config"] = ConfigRecord(dict(msg.config))
     if control is not None:

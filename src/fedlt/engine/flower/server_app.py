@@ -24,8 +24,16 @@ def _log(line: str) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """The ServerApp of a deployment (``flwr run`` of the app ``fedlt flower run`` writes): its clients are
+    SuperNodes, whose DP noise comes from their own keys unless the run asks for ``--dp-noise-seed run``."""
+    serve(grid, context, deployed=True)
+
+
+def serve(grid: Grid, context: Context, deployed: bool) -> None:
+    """The run of ``context``'s run config over ``grid`` (``deployed``: SuperNodes, not Flower's simulation)."""
     cfg, opts = from_run_config(dict(context.run_config))
-    strategy = FedltStrategy(cfg, opts["round-timeout"], opts["wait-timeout"], opts["poll-interval"], echo=_log)
+    strategy = FedltStrategy(cfg, opts["round-timeout"], opts["wait-timeout"], opts["poll-interval"], echo=_log,
+                             deployed=deployed)
     try:
         strategy.run(grid, checkpoint_every=int(opts["checkpoint-every"]), resume=bool(opts["resume"]))
     except Diverged as e:  # the run directory's summary.json already says diverged; one line in the log

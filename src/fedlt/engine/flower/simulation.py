@@ -63,7 +63,7 @@ def run_simulation(cfg: RunConfig, backend_config: dict | None = None, **flower)
         raise ConfigError(f"fedlt flower simulate needs Flower's simulation runtime (Ray); install it with: "
                           f"{INSTALL}") from None
     from .client_app import app as client_app
-    from .server_app import main as server_main
+    from .server_app import serve
     from .settings import flatten, to_run_config
 
     name = cfg.name  # as given: a run named below is resumed with its name (preempt.again)
@@ -76,7 +76,7 @@ def run_simulation(cfg: RunConfig, backend_config: dict | None = None, **flower)
     @app.main()
     def main(grid, context) -> None:  # the run's settings, as `flwr run` would put them in the context
         context.run_config.update(run_config)
-        server_main(grid, context)
+        serve(grid, context, deployed=False)  # Flower's simulation: the simulator's noise seed by default
 
     backend_config = backend_config or backend_config_of()
     out = run_dir_for(cfg)

@@ -4,9 +4,10 @@
 driver (``fedlt.engine.driver``), the one round loop of every engine, with :class:`GridTransport` carrying its
 messages:
 
-1. ``query.describe`` to every SuperNode: each says its client id, label counts and test-set size (under
-   ``--dp client`` its client id and whether it serves a client of the run's partition, nothing of its data:
-   :meth:`FedltStrategy._counts`); the run waits until the run's ``clients`` distinct ids are there
+1. ``query.describe`` to every SuperNode: each says its client id and whether it serves a client of the run's
+   partition (whose label counts and sizes the server rebuilds from the run's settings); only one holding its own
+   data says its label counts and sizes, and under ``--dp`` less (:mod:`.sends` declares each form:
+   :meth:`FedltStrategy._info`, :meth:`FedltStrategy._counts`); the run waits until the run's ``clients`` distinct ids are there
    (``wait_timeout``), then writes ``config.json`` and ``partition.json``. SuperNodes that appear later (a
    restart) are described at the start of a round.
 2. every round, phase and evaluation of the driver: one message per client (``train`` with the round's lr,
@@ -24,6 +25,7 @@ entries, the driver keeps every client's accountant: ``fedlt.core.dpsgd``) and w
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -38,6 +40,8 @@ from flwr.serverapp.strategy import Strategy
 
 from ...config import RunConfig
 from ...core.method import Message, Method
+from ...core.noise import noise_seed
+from ...core.privacy import engine_record
 from ...core.state import tree_of
 from ...data import Federation
 from ...data.datasets import load_dataset
@@ -50,10 +54,12 @@ from ...metrics import GROUPS, evaluate as evaluate_global, headline, shot_split
 from ...plugins import method_class
 from .client_app import global_state_records, job_text, partition_federation
 from .records import control, from_records, load_client_state, save_client_state, state_tag, to_records
+from .sends import DESCRIBE, ENGINE, EVALUATE, PHASE as PHASE_REPLY, SENDS, TRAIN as TRAIN_REPLY, WHERE, fields_of
 from .settings import FLOWER_DEFAULTS
 
 
 RESTART_LOOK = 2.0  # s between a round's looks for restarted SuperNodes (FedltStrategy.exchange)
+WIRE = {"counts": "counts", "test-size": "test_size", "num-examples": "num_examples"}  # describe's fields -> info's
 
 
 class FedltStrategy(Strategy):
@@ -63,7 +69,7 @@ class FedltStrategy(Strategy):
     def __init__(self, cfg: RunConfig, round_timeout: float = FLOWER_DEFAULTS["round-timeout"],
                  wait_timeout: float = FLOWER_DEFAULTS["wait-timeout"],
                  poll_interval: float = FLOWER_DEFAULTS["poll-interval"], echo: Callable[[str], None] = print,
-                 progress: bool = False):
+                 progress: bool = False, deployed: bool = False):
         self.cfg, self.round_timeout, self.wait_timeout = cfg, float(round_timeout), float(wait_timeout)
         self.poll_interval, self.echo = float(poll_interval), echo
         ds = load_dataset(cfg.dataset, cfg.data_dir, **cfg.dataset_kw())
@@ -81,9 +87,12 @@ class FedltStrategy(Strategy):
 
             check_model(self.method.new_model(), self.spec.model)
             check_counts_release(cfg, cls)  # with --dp-delta; else the SuperNode solving its noise says it
-        self.job = job_text(cfg, self.spec, self.prep)
+        # the clients learn the noise seed resolved (deployed: the SuperNodes' own keys unless run was asked for)
+        self.job = job_text(dataclasses.replace(cfg, dp_noise_seed=noise_seed(cfg.dp_noise_seed, deployed)), self.spec,
+                            self.prep)
         self.transport = GridTransport(self)
-        self.driver = Driver(self.method, EngineConfig.of(cfg, progress=False), self.transport, cfg.clients)
+        self.driver = Driver(self.method, EngineConfig.of(cfg, progress=False, deployed=deployed), self.transport,
+                             cfg.clients)
         self.driver.echo = echo
         # known once the SuperNodes have described themselves; under --dp they do not say them
         self.driver.client_counts = None if cfg.dp != "off" else lambda: self.fed.counts
@@ -189,11 +198,8 @@ class FedltStrategy(Strategy):
                     if cid in self.nodes and self.nodes[cid] != node:
                         self.echo(f"client {cid} is now on SuperNode {node} (was {self.nodes[cid]})")
                     self.nodes[cid] = node
-                    self.info[cid] = {"partition": bool(ctl["partition"])} if self.cfg.dp == "client" else \
-                        {"partition": bool(ctl["partition"]), "num_examples": int(ctl["num-examples"])} \
-                        if self.cfg.dp == "sample" else \
-                        {"counts": [int(c) for c in ctl["counts"]], "test_size": int(ctl["test-size"]),
-                         "num_examples": int(ctl["num-examples"])}
+                    self.info[cid] = self._info(cid, ctl)
+                self.transport.record(DESCRIBE, {}, got.values())
             if not wait or len(self.nodes) >= K:
                 return
             if time.monotonic() >= end:
@@ -204,8 +210,24 @@ class FedltStrategy(Strategy):
                                   + failed)
             time.sleep(self.poll_interval)
 
+    def _info(self, cid: int, ctl) -> dict:
+        """What the server knows of client ``cid`` from its describe reply ``ctl``: whether it serves a client of the
+        run's partition, and its label counts and sizes (each where the run has them, as :mod:`.sends` declares):
+        from the reply of a SuperNode holding its own data, from the run's settings for a client of the partition
+        (which sends none), its counts and test-set size there only without --dp."""
+        if not bool(ctl.get("partition", False)):
+            return {"partition": False, **{key: (list(map(int, ctl[f])) if key == "counts" else int(ctl[f]))
+                                           for f, key in WIRE.items() if f in ctl}}
+        fed = partition_federation(self.cfg, self.spec.device)
+        client = fed.clients[cid]
+        info = {"partition": True, "num_examples": len(client)}
+        if self.cfg.dp == "off":
+            info.update(counts=[int(c) for c in fed.counts[cid]], test_size=len(client.test_y))
+        return info
+
     def _counts(self) -> None:
-        """The federation's label counts, from the SuperNodes' describe replies. Under ``--dp`` they send
+        """The federation's label counts: a client's of the run's partition from the run's settings, a SuperNode's
+        with its own data from its describe reply (:meth:`_info`). Under ``--dp`` the latter send
         none: the server knows the class totals only (which define many/medium/few), from the run's settings where
         every SuperNode serves a client of the run's partition (``partition-id``: the simulator's federation); with
         SuperNodes holding their own data (``data-dir``) not at all, and GM's group accuracies are left out (a
@@ -309,6 +331,8 @@ class FedltStrategy(Strategy):
             why.update(why2)
             for cid in why2:
                 got.pop(cid, None)
+        at = {"round": self.driver.round} if self.transport.at <= self.cfg.rounds else {"phase": "evaluation"}
+        self.transport.record(EVALUATE, at, got.values())
         ev["personal"] = self._personal(got)
         ev["untested"] = sum(str(control(rd)["source"]) == "none" for rd in got.values())
         return ev, why
@@ -367,6 +391,30 @@ class GridTransport:
         self.at = 0  # the round the clients' newest states reflect (a phase's: after the last round)
         self.expect: dict[int, int] = {}  # client -> the round of its last state the server knows it kept
         self.checkpointed: list[int] = []  # the rounds of the checkpoints the run directory keeps (newest last)
+        self.sent = None  # the run directory's sent.jsonl (record_to); until then its rows are kept in unrecorded
+        self.unrecorded: list[dict] = []
+
+    def record(self, message: str, at: dict, replies: Iterable[RecordDict]) -> None:
+        """The engine's own fields of a ``message`` exchange's replies (:mod:`.sends`) into the run's ``sent.jsonl``
+        (kept until :meth:`record_to` gives it; with ``FEDLT_CHECK_SENDS=1`` an undeclared one stops the run)."""
+        st, fields = self.st, []
+        for rd in replies:
+            ctl = dict(control(rd))
+            cid = int(ctl["client-id"])
+            own = not bool(ctl["partition"] if "partition" in ctl else st.info.get(cid, {}).get("partition", True))
+            fields.append((cid, fields_of(message, ctl), own))
+        rows = engine_record(ENGINE, SENDS, message, at, fields, st.cfg.dp, WHERE)
+        if self.sent is not None:
+            self.sent.write(rows)
+        else:
+            self.unrecorded += rows
+
+    def record_to(self, sent) -> None:
+        """The run directory's ``sent.jsonl`` (a :class:`fedlt.core.privacy.SentLog`): what was kept is written now
+        (the describe replies, which come before the run directory), the rest as it arrives."""
+        self.sent = sent
+        sent.write(self.unrecorded)
+        self.unrecorded = []
 
     def reachable(self, cids) -> dict[int, str]:
         self.st.connect(self.grid, wait=False)  # SuperNodes that (re)appeared since the last round
@@ -422,6 +470,8 @@ class GridTransport:
             self.at = index
             return replies, why
         got, why = self.st.exchange(self.grid, self.messages(kind, index, payloads), self.st.round_timeout)
+        self.record(TRAIN_REPLY if kind == TRAINING else PHASE_REPLY,
+                    {"round": index} if kind == TRAINING else {"phase": kind}, got.values())
         _, written = self._tag(kind, index)
         self.at = written
         for cid, rd in got.items():
