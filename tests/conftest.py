@@ -367,7 +367,7 @@ def _start_background(session, only=None) -> None:
 # --no-loadscope-reorder, as `make test` runs it), one to each worker, so that no worker starts one of them when the
 # other has nothing left; the files whose deployments run in the background from the start go last
 FIRST = ("test_docs_pages.py", "test_ray.py", "test_flower_simulation.py", "test_docs_tutorial.py", "test_docs.py")
-LAST = ("test_secagg.py", "test_flower_deploy.py")
+LAST = ("test_secagg.py", "test_flower_deploy.py", "test_flower_secure.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
