@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 # experiment trackers (fedlt.runner.trackers) in tests: nothing leaves the machine, nothing starts by default
 for _k, _v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
@@ -208,6 +212,33 @@ def dies_in_round(cls, n: int, only=None):
             cls.train_round = orig
         else:
             del cls.train_round
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {src!r})
+    from fedlt.runner import rundir
+    from fedlt.config import RunConfig
+    from fedlt.engine.driver import Driver
+
+    real = Driver.train_round
+
+    def dying(self):
+        if self.round == {kill_after}:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self)
+
+    Driver.train_round = dying
+    rundir.run(RunConfig(**{cfg!r}), progress=False, checkpoint_every=1, echo=lambda *a: None)
+""")
+
+
+def run_killed(cfg: RunConfig, kill_after: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``cfg`` run in a child process (a checkpoint every round) that kills itself with SIGKILL -- kill -9 -- as
+    round ``kill_after + 1`` is about to train; its exit status is then -9."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return subprocess.run([sys.executable, "-c", KILLED.format(src=src, kill_after=kill_after, cfg=cfg.to_dict())],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def timeless(x):

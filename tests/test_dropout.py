@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +19,7 @@ from fedlt.config import load_config
 from fedlt.engine import EngineConfig
 from fedlt.engine.faults import Faults, availability, scaled_to_mean, tail_scores
 
-from conftest import method_test_params, run_small, small_config
+from conftest import method_test_params, run_killed, run_small, small_config
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 COUNTS = np.array([[50, 10, 0], [5, 5, 5], [0, 2, 8], [30, 0, 1], [1, 0, 0], [10, 10, 10]])
@@ -234,24 +231,6 @@ def test_a_run_where_no_reply_ever_arrives_keeps_its_initial_model(tmp_path, cap
 
 
 # ---------------------------------------------------------------------------------------------- resume
-CHILD = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {src!r})
-    from fedlt.runner import rundir
-    from fedlt.config import RunConfig
-    from fedlt.engine.driver import Driver
-
-    real = Driver.train_round
-
-    def dying(self):
-        if self.round == {kill_after}:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(self)
-
-    Driver.train_round = dying
-    rundir.run(RunConfig(**{cfg!r}), progress=False, checkpoint_every=1, echo=lambda *a: None)
-""")
-
 FAULTY = dict(drop_rate=0.3, availability="tail", availability_mean=0.7, speed_sigma=1.0, round_deadline=0.2,
               over_select=1.5)
 
@@ -270,8 +249,7 @@ def test_kill_9_and_resume_draw_the_same_clients_losses_and_deadlines(tmp_path):
     over = dict(method="ditto", rounds=5, eval_every=5, out=str(tmp_path), threads=1, **FAULTY)
     ref = rundir.run(small_config(name="ref", **over), progress=False, echo=lambda *a: None)
     cfg = small_config(name="killed", **over)
-    p = subprocess.run([sys.executable, "-c", CHILD.format(src=SRC, kill_after=3, cfg=cfg.to_dict())],
-                       capture_output=True, text=True, timeout=300)
+    p = run_killed(cfg, kill_after=3)
     assert p.returncode == -9, p.stderr[-2000:]
     out = rundir.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1, resume=True)
     assert out["resumed_after_round"] == 3

@@ -891,6 +891,31 @@ RELATIONS: list[Relation] = [
              when=lambda c: c.head == "clip-text", others=("model",), bad=({"head": "clip-text"},)),
     applies_when("head_fixed", lambda c: c.head == "clip-text", "--head-fixed applies to --head clip-text; add it "
                  "or drop --head-fixed", others=("head",), bad=({"head_fixed": True},)),
+    # --finetune head/lora (core.finetune): a method refused where it declares a need the mode cannot meet
+    requires("finetune", lambda c: not finetune_refusal(_method_class(c), c.finetune),
+             lambda c: f"--finetune {c.finetune}: method {c.method} {finetune_refusal(_method_class(c), c.finetune)}; "
+                       f"choose --finetune {'lora or full' if c.finetune == 'head' else 'full'} or another method",
+             when=lambda c: c.finetune != "full", others=("method",),
+             bad=({"finetune": "head", "method": "fedbabu"}, {"finetune": "lora", "method": "fedgpa"})),
+    *[applies_when(name, lambda c: c.finetune == "lora", f"--{name.replace('_', '-')} applies to --finetune lora, "
+                   f"not {{finetune}}; add --finetune lora or drop it", others=("finetune",), bad=({name: value},))
+      for name, value in (("lora_rank", 4), ("lora_alpha", 16.0), ("lora_dropout", 0.1), ("lora_targets", "fc"),
+                          ("lora_agg", "ffa"))],
+    applies_when("bn_stats", lambda c: c.finetune == "lora", "--bn-stats local applies to --finetune lora (under full "
+                 "BatchNorm trains as the model does, under head the features are computed once, with the pre-trained "
+                 "statistics); add --finetune lora or drop it", others=("finetune",),
+                 bad=({"bn_stats": "local"}, {"bn_stats": "local", "finetune": "head"})),
+    # pre-trained models (fedlt.pretrained)
+    applies_when("pretrained_size", lambda c: is_pretrained(c.model),
+                 lambda c: f"--pretrained-size applies to pre-trained models (--model efficientnet-lite0 or "
+                           f"hf:<hub id or directory>), not {c.model or 'the dataset default'}; drop it",
+                 others=("model",), bad=({"pretrained_size": 64},)),
+    requires("head", lambda c: is_clip(c.model),
+             lambda c: f"--head clip-text needs a CLIP model: --model hf:<a CLIP model's hub id or directory> (e.g. "
+                       f"hf:openai/clip-vit-base-patch32), not {c.model or 'the dataset default'}; or --head linear",
+             when=lambda c: c.head == "clip-text", others=("model",), bad=({"head": "clip-text"},)),
+    applies_when("head_fixed", lambda c: c.head == "clip-text", "--head-fixed applies to --head clip-text; add it "
+                 "or drop --head-fixed", others=("head",), bad=({"head_fixed": True},)),
     requires("dp", lambda c: c.dp_clip is not None,
              lambda c: "--dp client needs --dp-clip C, the norm each client's update is clipped to (e.g. 1.0; McMahan "
                        "et al. tune it to the median update norm)" if c.dp == "client" else

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..decl import check_values, from_values
 from ..models import Model, build_model
+from .finetune import build_finetune_model
 from .privacy import MODEL, Sent, check_declaration, sent
 from .spec import RunSpec, load_weights, weights_of
 from .state import ServerState, state_from
@@ -152,6 +153,9 @@ class Method:
     # replies' floating-point arrays (and each reply's meta, which SecAgg+ leaves in the clear) -- what Flower's
     # SecAgg+ hands the server; a subclass that changes aggregate or sends declares it again (:func:`declared`)
     secagg: bool = False
+    # --finetune head/lora (core.finetune.NEEDS): what of the model the algorithm needs that a frozen pre-trained
+    # backbone may not give it, {need: what, in the method's words}; the run refuses the modes that lack it
+    finetune_needs: dict[str, str] = {}
 
     def dp_round_epochs(self) -> int:
         """--dp sample: the epochs of DP-SGD a client runs in a round, over all its described stages (its accountant
@@ -198,6 +202,8 @@ class Method:
         """The initial model: identical on every process (seeded by the run seed), on the run's device, in
         channels_last memory format where that is asked for (see ``RunSpec.channels_last``)."""
         s = self.spec
+        if s.finetune != "full":  # a frozen backbone, shared, outside the model (core.finetune)
+            return build_finetune_model(s)
         m = build_model(s.model, s.in_shape, s.num_classes, seed=s.seed,
                         input_norm=(s.data.get("input_mean"), s.data.get("input_std"))).to(s.device)
         conv = any(isinstance(x, nn.Conv2d) for x in m.modules())

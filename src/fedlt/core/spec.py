@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..decl import DATA, INT32, TRAIN, setting, show
+from ..decl import DATA, INT32, TRAIN, declared_in, setting, show
 from ..errors import ConfigError
+from .finetune import Finetune
 
 
 def parse_milestones(value: Any) -> tuple[int, ...]:
@@ -92,6 +93,14 @@ class RunSpec:
     # --allow-large: method parameters past their limits were given on purpose
     allow_large: bool = setting(False, "allow values past the limits (rounds, clients, local epochs, ...) that "
                                        "catch typos, on purpose", group=TRAIN, result=False, reads=("spec",))
+    # how much of the model trains, and LoRA's settings (core.finetune, where they are declared)
+    finetune: str = declared_in(Finetune, "finetune")
+    lora_rank: int = declared_in(Finetune, "lora_rank")
+    lora_alpha: float = declared_in(Finetune, "lora_alpha")
+    lora_dropout: float = declared_in(Finetune, "lora_dropout")
+    lora_targets: str | None = declared_in(Finetune, "lora_targets")
+    lora_agg: str = declared_in(Finetune, "lora_agg")
+    bn_stats: str = declared_in(Finetune, "bn_stats")
     # The data settings (dataset, data_dir, imbalance_ratio, lt_profile, tail_classes, n_max, seed), plain
     # values like the rest: a server that holds data of its own (Ratio Loss's auxiliary balanced set) can
     # rebuild which training samples the clients hold, and draw its own from the others; and input_mean /

@@ -63,6 +63,8 @@ def kd_loss(z: torch.Tensor, teacher: torch.Tensor, T: float) -> torch.Tensor:
 
 @METHODS.register("clip2fl")
 class CLIP2FL(CReFF):
+    finetune_needs = {"images": "CLIP's image tower, the teacher, on each image"}
+
     @dataclass
     class Params(CReFF.Params):
         clip_weights: str = setting("", "safetensors file: a CLIP ViT image tower (OpenAI layout); required")

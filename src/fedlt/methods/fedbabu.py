@@ -34,6 +34,8 @@ from ..registry import METHODS
 
 @METHODS.register("fedbabu")
 class FedBABU(PartialSharing):
+    finetune_needs = {"body": "the body under a random head fixed in the rounds"}
+
     phases = ("finetune",)
 
     @dataclass

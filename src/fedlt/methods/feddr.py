@@ -68,6 +68,8 @@ def feddr_loss(h: torch.Tensor, h_g: torch.Tensor | None, V: torch.Tensor, y: to
 
 @METHODS.register("feddr+")
 class FedDrPlus(Method):
+    finetune_needs = {"body": "the backbone under a fixed ETF classifier"}
+
     personalized = True
     secagg = True  # its server is FedAvg's weighted mean (--secagg: core.secagg)
     # --dp sample: a sample's L_Dr+ reads it, the frozen ETF and the received backbone (core.dpsgd); the FT phase's

@@ -101,6 +101,8 @@ def gpa_loss(z: torch.Tensor, y: torch.Tensor, stats: dict, varphi: float, sigma
 
 @METHODS.register("fedgpa")
 class FedGPA(Method):
+    finetune_needs = {"own-model": "a frozen ViT of its --set vit_weights file with learnable prompts"}
+
     @dataclass
     class Params:
         vit_weights: str = setting("", "safetensors file: a ViT in timm's layout (vit_base_patch16_224); required")

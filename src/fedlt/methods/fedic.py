@@ -63,6 +63,8 @@ def highway(p: dict, feats: list[torch.Tensor], logits: list[torch.Tensor], ref_
 
 @METHODS.register("fedic")
 class FedIC(FedAvg):
+    finetune_needs = {"images": "the server's auxiliary images of each class"}
+
     @dataclass
     class Params:
         aux_per_class: int = setting(100, "labelled server samples per class", low=1, limit=10**6)

@@ -41,6 +41,7 @@ from .fedper import FedPer
 @METHODS.register("fedrep")
 class FedRep(FedPer):
     """FedPer's sharing (body averaged, head local, no GM) with FedRep's alternating local update."""
+    finetune_needs = {"body": "the body's epochs after the head's"}
 
     @dataclass
     class Params:

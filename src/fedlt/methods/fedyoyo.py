@@ -124,6 +124,8 @@ def asd_loss(z_w: torch.Tensor, z_s: torch.Tensor, y: torch.Tensor, T: float) ->
 
 @METHODS.register("fedyoyo")
 class FedYoYo(FedAvg):
+    finetune_needs = {"images": "weak and strong augmentations of each image"}
+
     @dataclass
     class Params:
         lam: float = setting(4.0, "weight of the self-distillation (official lamda)", low=0)

@@ -79,6 +79,7 @@ def ratio_weights(w_last: torch.Tensor, monitors: torch.Tensor, threshold: float
 
 @METHODS.register("ratioloss")
 class RatioLoss(Method):
+    finetune_needs = {"images": "the server's auxiliary balanced images"}
     # --dp sample: a sample's loss reads it and the server's alpha (core.dpsgd); the server's monitors train on its
     # own auxiliary set
     dp_sample = True

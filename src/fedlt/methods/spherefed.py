@@ -74,6 +74,8 @@ def solve_calibration(A: torch.Tensor, B: torch.Tensor, ridge: float = 0.0) -> t
 
 @METHODS.register("spherefed")
 class SphereFed(FedAvg):
+    finetune_needs = {"body": "the backbone under a fixed hyperspherical classifier"}
+
     @dataclass
     class Params:
         loss: str = setting("mse", "mse (paper, FedDr+ code) | ce", choices=("mse", "ce"))

@@ -1,0 +1,222 @@
+"""--finetune head | lora (fedlt.core.finetune): what trains is all a model's state dict holds, so only that leaves
+a client; the frozen backbone is one object per process whose tensors every model shares; head's features are
+computed once per sample; FFA-LoRA's aggregate is the mean of the clients' updates B A and FedIT's is not; every
+method runs under head and lora or is refused in one line; kill -9 and --resume give the uninterrupted run.
+No network: the pre-trained model is a tiny random ViT saved with ``save_pretrained`` (HF_HUB_OFFLINE=1)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from conftest import method_test_params, run_killed, small_config, timeless, tiny_clip_files  # noqa: E402
+from fedlt.config import validate  # noqa: E402
+from fedlt.core import finetune  # noqa: E402
+from fedlt.core.finetune import lora_gap, lora_pairs, shared_backbone, shared_lora  # noqa: E402
+from fedlt.engine import EngineConfig, Simulation  # noqa: E402
+from fedlt.engine.driver import TRAINING  # noqa: E402
+from fedlt.errors import ConfigError  # noqa: E402
+from fedlt.plugins import method_class  # noqa: E402
+from fedlt.registry import METHODS  # noqa: E402
+from fedlt.runner import rundir  # noqa: E402
+from fedlt.runner.rundir import federation_for, prepare  # noqa: E402
+
+ONE_ROUND = dict(rounds=1, eval_every=1, clients=4, participation=0.5, local_epochs=1)
+WIDTH = 16  # the tiny ViT's
+LIGHT = {"fedloge": {"sse_steps": 200}, "fedetf": {"pers_rounds": 2}, "creff": {"match_epochs": 5, "crt_epochs": 10}}
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory) -> str:
+    """``hf:DIR`` of a tiny random ViT (8x8 images, patches of 4, width 16, one block) in safetensors."""
+    from transformers import ViTConfig, ViTModel
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    d = tmp_path_factory.mktemp("tiny-vit")
+    torch.manual_seed(0)
+    ViTModel(ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=WIDTH, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=32)).save_pretrained(d)
+    return f"hf:{d}"
+
+
+_FEDS: dict = {}
+
+
+def _prepared(vit, **over):
+    cfg = small_config(model=vit, **{**ONE_ROUND, **over})
+    key = (cfg.clients, cfg.seed)
+    if key not in _FEDS:
+        _FEDS[key] = federation_for(cfg)
+    validate(cfg)
+    return prepare(cfg, _FEDS[key]), cfg
+
+
+def _replies(sim) -> list:
+    got = []
+    sim.on_replies.append(lambda kind, i, replies: got.extend(replies) if kind == TRAINING else None)
+    return got
+
+
+def test_lora_models_hold_and_send_only_adapters_and_head(vit):
+    pr, cfg = _prepared(vit, finetune="lora")
+    keys = set(pr.method.new_model().state_dict())
+    assert keys and all(k.startswith(("backbone.adapters.", "head.")) for k in keys)
+    assert {k for k in keys if ".lora_A." in k} and {k for k in keys if ".lora_B." in k}
+    sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+    replies = _replies(sim)
+    sim.run()
+    assert replies and all(set(r.arrays) == keys for _, r in replies)
+    # what leaves: r (in + out) per adapted layer (the ViT's query and value), and the head
+    r, C = pr.spec.lora_rank, pr.spec.num_classes
+    sent = sum(t.numel() for t in replies[0][1].arrays.values())
+    assert sent == 2 * r * (WIDTH + WIDTH) + (WIDTH + 1) * C
+
+
+def test_ffa_keeps_a_out_of_the_model(vit):
+    pr, _ = _prepared(vit, finetune="lora", lora_agg="ffa")
+    keys = set(pr.method.new_model().state_dict())
+    assert {k for k in keys if ".lora_B." in k} and not {k for k in keys if ".lora_A." in k}
+
+
+def test_models_share_the_frozen_backbone_storage(vit):
+    pr, _ = _prepared(vit, finetune="lora")
+    before = finetune.LOADS["count"]
+    a, b = pr.method.new_model(), pr.method.new_model()
+    assert finetune.LOADS["count"] == before  # no backbone loaded per model
+    assert a.backbone.base is b.backbone.base is shared_lora(pr.spec)
+    pre = dict(shared_backbone(pr.spec).net.named_parameters())
+    base = {n: p for n, p in a.backbone.base.named_parameters() if "lora_" not in n}
+    assert len(base) == len(pre)  # peft's layers wrap the same tensors: base_layer.weight is the loaded weight
+    assert {p.data_ptr() for p in base.values()} == {p.data_ptr() for p in pre.values()}
+    # each model's adapters are its own
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert all(pa[n].data_ptr() != pb[n].data_ptr() for n in pa)
+
+
+def _round_replies(vit, agg):
+    pr, cfg = _prepared(vit, finetune="lora", lora_agg=agg, lr=0.5, participation=1.0)
+    sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+    replies = _replies(sim)
+    sim.train_round()
+    return pr, sim, replies
+
+
+@pytest.mark.parametrize("agg", ["ffa", "fedit"])
+def test_ffa_aggregate_is_the_mean_of_the_updates_and_fedit_is_not(vit, agg):
+    """Round 1 starts from B = 0, so a client's update of each adapted layer is B_k A_k; the server's aggregate
+    gives mean(B) mean(A). FFA-LoRA: equal to mean_k(B_k A_k) to float precision; FedIT: not."""
+    pr, sim, replies = _round_replies(vit, agg)
+    base = finetune.base_adapters(pr.spec)
+    weights = [float(r.meta["num_examples"]) for _, r in replies]
+    updates = [lora_pairs(r.arrays, base) for _, r in replies]
+    agg_pairs = lora_pairs(sim.state.weights, base)
+    assert agg_pairs and set(agg_pairs) == set(updates[0])
+    err = scale = 0.0
+    for layer, (A, B) in agg_pairs.items():
+        mean_update = sum(w * (u[layer][1] @ u[layer][0]) for u, w in zip(updates, weights)) / sum(weights)
+        err = max(err, float((B @ A - mean_update).abs().max()))
+        scale = max(scale, float(mean_update.abs().max()))
+    gap = lora_gap([(r.arrays, r.meta["num_examples"]) for _, r in replies], base)
+    assert scale > 0
+    if agg == "ffa":
+        assert err <= 1e-6 * scale and gap["relative"] < 1e-6
+    else:
+        assert err > 1e-4 * scale and gap["relative"] > 1e-4
+
+
+def test_a_run_records_the_gap_each_round(vit, tmp_path):
+    cfg = small_config(model=vit, finetune="lora", out=str(tmp_path), name="r", **{**ONE_ROUND, "rounds": 2})
+    rundir.run(cfg, progress=False, echo=lambda *a: None)
+    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r["lora_gap"] for r in recs if "round" in r]
+    assert len(gaps) == 2 and all(g > 0 for g in gaps)
+
+
+def test_head_encodes_each_sample_once(vit):
+    """Two rounds of every client: the backbone runs over each training and test sample once (the first round
+    and the evaluation), never in the second round."""
+    pr, cfg = _prepared(vit, finetune="head", participation=1.0, rounds=2, eval_every=1)
+    net = shared_backbone(pr.fed.stores[0].spec).net
+    assert pr.spec.in_shape == (shared_backbone(pr.fed.stores[0].spec).feature_dim,)
+    seen: list[int] = []
+    hook = net.register_forward_hook(lambda m, i, o: seen.append(len(o)))
+    try:
+        sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+        sim.train_round()
+        first = sum(seen)
+        sim.train_round()
+        assert sum(seen) == first  # the second round computed no feature
+        sim.evaluate("final")
+    finally:
+        hook.remove()
+    train = sum(len(c) for c in pr.fed.clients)
+    tests = len(pr.fed.test_y)
+    assert first == train  # every client's samples once
+    assert train < sum(seen) <= train + tests + sum(len(c.test_y) for c in pr.fed.clients)
+    assert sum(s.encoded for s in pr.fed.stores) == sum(seen)  # no sample encoded twice
+    assert set(pr.method.new_model().state_dict()) == {"head.weight", "head.bias"}
+
+
+def test_lora_bn_stats_frozen_by_default_and_local_kept_per_model(tmp_path):
+    """smallcnn-bn under lora: by default no BatchNorm statistics in the model and the shared ones never move;
+    --bn-stats local: each model's own, updated in training, and FedBN keeps them on its clients."""
+    cfg = small_config(model="smallcnn-bn", finetune="lora", **ONE_ROUND)
+    pr = prepare(cfg, federation_for(cfg))
+    assert not [k for k in pr.method.new_model().state_dict() if "running" in k]
+    shared = {k: v.clone() for k, v in shared_lora(pr.spec).state_dict().items() if "running" in k}
+    Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False)).run()
+    assert all(torch.equal(v, shared_lora(pr.spec).state_dict()[k]) for k, v in shared.items())
+    for method, sends_bn in (("fedavg", True), ("fedbn", False)):
+        cfg = small_config(model="smallcnn-bn", finetune="lora", bn_stats="local", method=method, **ONE_ROUND)
+        validate(cfg)
+        pr = prepare(cfg, federation_for(cfg))
+        keys = [k for k in pr.method.new_model().state_dict() if "running_mean" in k]
+        assert keys and all(k.startswith("backbone.bn.") for k in keys)
+        sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+        replies = _replies(sim)
+        sim.run()
+        assert any(k in r.arrays for _, r in replies for k in keys) == sends_bn
+        trained = replies[0][1].arrays if sends_bn else sim.client_state(replies[0][0])
+        assert sends_bn or trained  # FedBN's client keeps them
+
+
+@pytest.mark.parametrize("mode", ["head", "lora"])
+@pytest.mark.parametrize("method", METHODS.names())
+def test_every_method_runs_or_is_refused_in_one_line(vit, method, mode):
+    params = {**method_test_params(method), **LIGHT.get(method, {}),
+              **(tiny_clip_files(embed=WIDTH) if method == "clip2fl" else {})}  # its contrast: the ViT's width
+    why = finetune.finetune_refusal(method_class(small_config(method=method)), mode)
+    if why:
+        with pytest.raises(ConfigError) as e:
+            _prepared(vit, method=method, finetune=mode, params=params)
+        assert "\n" not in str(e.value) and why in str(e.value) and method in str(e.value)
+        return
+    pr, cfg = _prepared(vit, method=method, finetune=mode, params=params)
+    keys = set(pr.method.new_model().state_dict())
+    frozen = {n for n, _ in shared_backbone(pr.fed.stores[0].spec if mode == "head" else pr.spec).net.named_parameters()}
+    assert not {k for k in keys for n in frozen if k.endswith("." + n) and ".adapters." not in k}
+    sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+    replies = _replies(sim)
+    final = sim.run()
+    assert replies and final
+    for _, r in replies:  # nothing of the frozen backbone leaves a client
+        assert not [k for k in r.arrays if any(k.endswith("." + n) for n in frozen) and ".adapters." not in k]
+
+
+def test_kill_9_and_resume_with_lora_give_the_uninterrupted_run(vit, tmp_path):
+    over = dict(method="ditto", finetune="lora", model=vit, rounds=3, eval_every=3, clients=4, local_epochs=1,
+                out=str(tmp_path), threads=1, lora_dropout=0.1)
+    ref = rundir.run(small_config(name="ref", **over), progress=False, echo=lambda *a: None)
+    cfg = small_config(name="killed", **over)
+    p = run_killed(cfg, kill_after=2)
+    assert p.returncode == -9, p.stderr[-2000:]
+    out = rundir.run(cfg, progress=False, echo=lambda *a: None, checkpoint_every=1, resume=True)
+    assert out["resumed_after_round"] == 2
+    rows = lambda name: [timeless(json.loads(x))  # noqa: E731
+                         for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert rows("killed") == rows("ref") and timeless(out["final"]) == timeless(ref["final"])
