@@ -25,11 +25,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Cluster:
-    """Processes of one test, each in its own session (so its children can be killed with it)."""
+def make_tls(folder: Path, keys: tuple[str, ...] = ()) -> Path:
+    """What a secure deployment on 127.0.0.1 needs, made with ``cryptography`` (Flower's own dependency):
+    ``ca.crt`` (a CA), ``server.pem`` / ``server.key`` (the SuperLink's certificate, signed by it, for localhost and
+    127.0.0.1), ``other-ca.crt`` (a CA that signed nothing of this deployment), and for each name in ``keys`` a
+    SuperNode key pair NAME / NAME.pub (EC P-384, OpenSSH format: what ``ssh-keygen -t ecdsa -b 384`` writes)."""
+    import datetime
+    import ipaddress
 
-    def __init__(self, tmp: Path, env: dict | None = None):
-        self.tmp, self.tag = Path(tmp), uuid.uuid4().hex
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    pem = serialization.Encoding.PEM
+
+    def certificate(name, key, issuer=None, issuer_key=None, ca=False):
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer or subject)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1)))
+        if ca:
+            b = b.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        else:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return b.sign(issuer_key or key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = certificate("fedlt test CA", ca_key, ca=True)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    (folder / "ca.crt").write_bytes(ca.public_bytes(pem))
+    (folder / "server.pem").write_bytes(certificate("127.0.0.1", server_key, ca.subject, ca_key).public_bytes(pem))
+    (folder / "server.key").write_bytes(server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                                 serialization.NoEncryption()))
+    other_key = ec.generate_private_key(ec.SECP256R1())
+    (folder / "other-ca.crt").write_bytes(certificate("another CA", other_key, ca=True).public_bytes(pem))
+    for name in keys:
+        key = ec.generate_private_key(ec.SECP384R1())
+        (folder / name).write_bytes(key.private_bytes(pem, serialization.PrivateFormat.OpenSSH,
+                                                      serialization.NoEncryption()))
+        (folder / f"{name}.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                                           serialization.PublicFormat.OpenSSH))
+    return folder
+
+
+class Cluster:
+    """Processes of one test, each in its own session (so its children can be killed with it). With ``tls`` (a
+    folder of :func:`make_tls`): a SuperLink with TLS and SuperNode authentication, clients with its CA."""
+
+    def __init__(self, tmp: Path, env: dict | None = None, tls: Path | None = None):
+        self.tmp, self.tag, self.tls = Path(tmp), uuid.uuid4().hex, tls
         self.env = {**(env or os.environ), "FLWR_HOME": str(self.tmp / "flwr-home"),
                     "FEDLT_CACHE": str(self.tmp / "cache"), "FEDLT_TEST_PROCESS_TAG": self.tag,
                     "PYTHONUNBUFFERED": "1"}
@@ -56,10 +105,21 @@ class Cluster:
         path = self.tmp / f"{name}.log"
         return path.read_text(errors="replace") if path.is_file() else ""
 
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def client_security(self) -> list[str]:
+        """A client's options for this cluster's SuperLink: its CA's certificate, or --insecure."""
+        return ["--root-certificates", str(self.tls / "ca.crt")] if self.tls else ["--insecure"]
+
     def start_superlink(self, database: bool = True) -> None:
         """The SuperLink on this cluster's port, on ``superlink.db`` (kept across restarts) unless not
         ``database``; returns once it accepts connections."""
-        self.start("superlink", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
+        t = self.tls
+        security = ["--ssl-ca-certfile", str(t / "ca.crt"), "--ssl-certfile", str(t / "server.pem"), "--ssl-keyfile",
+                    str(t / "server.key"), "--supernode-auth"] if t else ["--insecure"]
+        self.start("superlink", "superlink", *security, "--host", "127.0.0.1", "--port", str(self.port),
                    *(["--database", str(self.tmp / "superlink.db")] if database else []))
         end = time.monotonic() + 120
         while True:  # the SuperLink accepts connections
@@ -71,21 +131,33 @@ class Cluster:
                 assert time.monotonic() < end, "SuperLink did not start"
                 time.sleep(0.5)
 
-    def start_supernode(self, k: int, state_dir: bool = True) -> None:
-        """SuperNode ``k`` serving client k of the partition, with ``state{k}/`` as its ``--state-dir``."""
-        port = self.node_ports.setdefault(k, free_port())
-        self.start(f"supernode{k}", "supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+    def start_supernode(self, k: int, state_dir: bool = True, *security: str, name: str | None = None) -> None:
+        """SuperNode ``k`` serving client k of the partition, with ``state{k}/`` as its ``--state-dir``, as process
+        ``name`` (``supernode{k}``); ``security``: its connection options (by default :meth:`client_security`, and
+        with TLS the key ``sn{k}``)."""
+        port = self.node_ports.setdefault(name or k, free_port())
+        security = security or (*self.client_security(), *(["--auth-key", str(self.tls / f"sn{k}")] if self.tls
+                                                            else []))
+        self.start(name or f"supernode{k}", "supernode", *security, "--superlink", self.address,
                    "--partition-id", str(k), "--host", "127.0.0.1", "--port", str(port),
                    *(["--state-dir", str(self.tmp / f"state{k}")] if state_dir else []))
 
     def up(self, n_nodes: int = 2, database: bool = False, state_dirs: bool = False) -> None:
         self.start_superlink(database)
         for k in range(n_nodes):
+            if self.tls:
+                self.register(k)
             self.start_supernode(k, state_dirs)
+
+    def register(self, k: int) -> None:
+        """Register SuperNode key ``sn{k}`` on the SuperLink (``fedlt flower register``)."""
+        p = self.start(f"register{k}", "register", str(self.tls / f"sn{k}.pub"), "--superlink", self.address,
+                       "--root-certificates", str(self.tls / "ca.crt"))
+        assert p.wait(300) == 0, self.log(f"register{k}")
 
     def submit(self, *args: str, name: str = "dep", log: str = "run") -> subprocess.Popen:
         """``fedlt flower run`` of run ``name`` (its directory: runs/NAME) as process ``log``."""
-        return self.start(log, "run", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+        return self.start(log, "run", *self.client_security(), "--superlink", self.address,
                           "--app-dir", str(self.tmp / f"app-{name}"), "--out", str(self.tmp / "runs"),
                           "--name", name, *args)
 

@@ -19,7 +19,6 @@ from .core.dpsgd import COUNTS_NOISE, reads_counts
 from .core import secagg
 from .core.finetune import finetune_refusal
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
-from .pretrained import is_clip, is_pretrained
 from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
                    check_relations, check_values, coerce, declared_in, excludes, requires, rows, settings_of, setting,
                    show, words)
@@ -35,6 +34,9 @@ def _ratio_hint(rho: float) -> str:
 
 
 def _zero_noise_hint(z: float) -> str:
+    """--dp-noise 0 (refused on the command line and in fedlt.run alike): what to give instead."""
+    return ("noise 0 would be clipping without any guarantee (an infinite epsilon); for clipping alone give a tiny "
+            "noise such as 1e-6, whose epsilon says what it protects") if z == 0 else ""
 
 
 # experiment trackers (fedlt.runner.trackers): the package each needs, and how to install it
@@ -117,9 +119,6 @@ class RunConfig:
     lora_targets: str | None = declared_in(RunSpec, "lora_targets")
     lora_agg: str = declared_in(RunSpec, "lora_agg")
     bn_stats: str = declared_in(RunSpec, "bn_stats")
-    pretrained_size: int | None = declared_in(RunSpec, "pretrained_size")  # pre-trained models (fedlt.pretrained)
-    head: str = declared_in(RunSpec, "head")
-    head_fixed: bool = declared_in(RunSpec, "head_fixed")
     rounds: int = declared_in(RunSpec, "rounds", reads=("engine",))
     participation: float = setting(0.5, "clients per round: a fraction (<= 1) or a count (> 1)", low=0,
                                    low_open=True, group=TRAIN, reads=("engine",))
@@ -211,6 +210,7 @@ class RunConfig:
                                        none_means="from --dp-noise")
     dp_delta: float | None = setting(None, "delta of (epsilon, delta)-DP", low=0, low_open=True,
                                      high=1, high_open=True, metavar="D", group=PRIVACY, reads=("engine",),
+                                     none_means="min(1e-5, 1 / (10 K)), K: --dp client the clients, --dp sample "
                                                 "the largest client's samples; a given one must be below 1 / K")
     dp_clip_quantile: float | None = setting(None, "--dp client: adaptive clipping (Andrew et al. 2021): the share "
                                                    "of updates the clip should leave unclipped; --dp-clip is then "
@@ -224,10 +224,9 @@ class RunConfig:
                                                  "unclipped updates", low=0, low_open=True, metavar="S",
                                            group=PRIVACY, reads=("engine",),
                                            none_means="the expected clients a round / 20 (Andrew et al.)")
-                                                "means (CReFF's, RedGrape's per-class gradients)", low=0,
-                                          none_means="1.0")
     dp_stats_clip: float = setting(STATS_CLIP, "--dp client: the L2 norm each client's class statistics are clipped "
                                                "to, for a method that declares them privatised as noised per-class "
+                                               "means (CReFF's, RedGrape's per-class gradients)", low=0,
                                    low_open=True, metavar="C", group=PRIVACY, reads=("engine",))
     dp_accountant: str = setting("rdp", "--dp client: the accountant (Google's dp-accounting): rdp (Renyi DP, the "
                                         "one Flower's DP uses) or pld (privacy loss distributions: a tighter epsilon, "
@@ -237,16 +236,15 @@ class RunConfig:
                                             "its worst client's) would pass this", low=0, low_open=True,
                                       metavar="E", group=PRIVACY,
                                       reads=("engine",), none_means="no budget")
-                                                  "counted in the client's accountant", low=0, low_open=True,
-                                            metavar="S", group=PRIVACY, reads=("engine",), none_means="5.0")
-                                        "noise and subtract it; for experiments) or secret (from a 256-bit key the "
     dp_counts_noise: float = setting(COUNTS_NOISE, lambda: "--dp sample: the std, in samples, of the Gaussian noise on "
                                      "each class count of a client whose method's loss reads its counts ("
                                      f"{words(counts_methods(), 'and')}): drawn once, counted in the client's "
+                                     "accountant", low=0, low_open=True, metavar="S", group=PRIVACY,
                                      reads=("engine",))
     dp_noise_seed: str | None = setting(None, "where the DP noise comes from: run (from --seed and the round: "
                                               "reproducible, but whoever knows the seed -- config.json records it, "
                                               "and on a deployment the server chose it -- can draw the same noise and "
+                                              "subtract it; for experiments) or secret (from a 256-bit key the "
                                               "operating system draws when the run starts, kept only in its "
                                               "checkpoints; on Flower each SuperNode's DP-SGD noise from a key of its "
                                               "own that never leaves it)", choices=("run", "secret"), group=PRIVACY,
@@ -832,7 +830,7 @@ RELATIONS: list[Relation] = [
     *[applies_when(name, lambda c: c.dp == "client", f"--{name.replace('_', '-')} applies to --dp client; add "
                    f"--dp client or drop it", others=("dp",),
                    bad=({name: value}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, name: value}))
-      for name, value in (("dp_clip_quantile", 0.5), ("dp_stats_clip", 1.0))],
+      for name, value in (("dp_clip_quantile", 0.5), ("dp_stats_clip", 2.0))],
     applies_when("dp_accountant", lambda c: c.dp == "client" or c.dp_accountant == "rdp",
                  "--dp-accountant pld applies to --dp client (--dp sample accounts each client with opacus's RDP "
                  "accountant); add --dp client or drop it", others=("dp",),
@@ -843,8 +841,8 @@ RELATIONS: list[Relation] = [
                            f"({', '.join(counts_methods())})"
                            + ("; add --dp sample or drop it" if c.dp != "sample" else
                               f", and method {c.method} reads none; drop it"), others=("dp", "method"),
-                 bad=({"dp_counts_noise": 5.0}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0,
-                                                 "dp_counts_noise": 5.0})),
+                 bad=({"dp_counts_noise": 3.0}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0,
+                                                 "dp_counts_noise": 3.0})),
     applies_when("dp_noise_seed", lambda c: c.dp != "off",
                  "--dp-noise-seed {dp_noise_seed} applies to --dp client and --dp sample; add one or drop it",
                  others=("dp",), bad=({"dp_noise_seed": "secret"}, {"dp_noise_seed": "run"})),
@@ -855,7 +853,7 @@ RELATIONS: list[Relation] = [
                  lambda c: f"--dp-stats-clip clips the class statistics of a method that sends them as noised "
                            f"per-class means ({', '.join(n for n, cls in METHODS.items() if class_means(cls.sends))}), "
                            f"and method {c.method} sends none; drop it", others=("method",),
-                 bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_stats_clip": 1.0},)),
+                 bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_stats_clip": 2.0},)),
     *[applies_when(name, lambda c: c.dp_clip_quantile is not None, f"--{name.replace('_', '-')} applies to adaptive "
                    f"clipping; add --dp-clip-quantile Q or drop it", others=("dp_clip_quantile",),
                    bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, name: value},))
@@ -878,44 +876,12 @@ RELATIONS: list[Relation] = [
              bad=({"finetune": "head", "method": "fedbabu"}, {"finetune": "lora", "method": "fedgpa"})),
     *[applies_when(name, lambda c: c.finetune == "lora", f"--{name.replace('_', '-')} applies to --finetune lora, "
                    f"not {{finetune}}; add --finetune lora or drop it", others=("finetune",), bad=({name: value},))
-                          ("lora_agg", "ffa"))],
-    applies_when("bn_stats", lambda c: c.finetune == "lora", "--bn-stats local applies to --finetune lora (under full "
-                 "BatchNorm trains as the model does, under head the features are computed once, with the pre-trained "
-                 "statistics); add --finetune lora or drop it", others=("finetune",),
-                 bad=({"bn_stats": "local"}, {"bn_stats": "local", "finetune": "head"})),
-    # pre-trained models (fedlt.pretrained)
-    applies_when("pretrained_size", lambda c: is_pretrained(c.model),
-                           f"hf:<hub id or directory>), not {c.model or 'the dataset default'}; drop it",
-    requires("head", lambda c: is_clip(c.model),
-             lambda c: f"--head clip-text needs a CLIP model: --model hf:<a CLIP model's hub id or directory> (e.g. "
-             when=lambda c: c.head == "clip-text", others=("model",), bad=({"head": "clip-text"},)),
-    applies_when("head_fixed", lambda c: c.head == "clip-text", "--head-fixed applies to --head clip-text; add it "
-                 "or drop --head-fixed", others=("head",), bad=({"head_fixed": True},)),
-    # --finetune head/lora (core.finetune): a method refused where it declares a need the mode cannot meet
-    requires("finetune", lambda c: not finetune_refusal(_method_class(c), c.finetune),
-             lambda c: f"--finetune {c.finetune}: method {c.method} {finetune_refusal(_method_class(c), c.finetune)}; "
-                       f"choose --finetune {'lora or full' if c.finetune == 'head' else 'full'} or another method",
-             when=lambda c: c.finetune != "full", others=("method",),
-             bad=({"finetune": "head", "method": "fedbabu"}, {"finetune": "lora", "method": "fedgpa"})),
-    *[applies_when(name, lambda c: c.finetune == "lora", f"--{name.replace('_', '-')} applies to --finetune lora, "
-                   f"not {{finetune}}; add --finetune lora or drop it", others=("finetune",), bad=({name: value},))
       for name, value in (("lora_rank", 4), ("lora_alpha", 16.0), ("lora_dropout", 0.1), ("lora_targets", "fc"),
                           ("lora_agg", "ffa"))],
     applies_when("bn_stats", lambda c: c.finetune == "lora", "--bn-stats local applies to --finetune lora (under full "
                  "BatchNorm trains as the model does, under head the features are computed once, with the pre-trained "
                  "statistics); add --finetune lora or drop it", others=("finetune",),
                  bad=({"bn_stats": "local"}, {"bn_stats": "local", "finetune": "head"})),
-    # pre-trained models (fedlt.pretrained)
-    applies_when("pretrained_size", lambda c: is_pretrained(c.model),
-                 lambda c: f"--pretrained-size applies to pre-trained models (--model efficientnet-lite0 or "
-                           f"hf:<hub id or directory>), not {c.model or 'the dataset default'}; drop it",
-                 others=("model",), bad=({"pretrained_size": 64},)),
-    requires("head", lambda c: is_clip(c.model),
-             lambda c: f"--head clip-text needs a CLIP model: --model hf:<a CLIP model's hub id or directory> (e.g. "
-                       f"hf:openai/clip-vit-base-patch32), not {c.model or 'the dataset default'}; or --head linear",
-             when=lambda c: c.head == "clip-text", others=("model",), bad=({"head": "clip-text"},)),
-    applies_when("head_fixed", lambda c: c.head == "clip-text", "--head-fixed applies to --head clip-text; add it "
-                 "or drop --head-fixed", others=("head",), bad=({"head_fixed": True},)),
     requires("dp", lambda c: c.dp_clip is not None,
              lambda c: "--dp client needs --dp-clip C, the norm each client's update is clipped to (e.g. 1.0; McMahan "
                        "et al. tune it to the median update norm)" if c.dp == "client" else
@@ -972,8 +938,12 @@ RELATIONS: list[Relation] = [
     requires("dp_delta", lambda c: delta_problem(c.dp_delta, c.clients, "client", "the run's clients") is None,
              lambda c: delta_problem(c.dp_delta, c.clients, "client", "the run's clients"),
              when=lambda c: c.dp == "client" and c.dp_delta is not None, others=("clients",),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_delta": 0.25},
+                  {"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "clients": 10, "dp_delta": 0.1})),
     # noise larger than the clip on the averaged update, or a budget the first round passes: refused before the run
     requires("dp", lambda c: dp_mean_noise(c) <= 1,
+             lambda c: f"--dp client: the noise multiplier {dp_noise_of(c):.3g} ({noise_source(c)}) puts noise of std "
+                       f"{dp_mean_noise(c):.3g} x --dp-clip on the averaged update of the "
                        f"{clients_per_round(c.clients, c.participation)} clients a round, more than any clipped "
                        f"update moves it, so nothing can train; train more clients a round (--participation, "
                        f"--clients), or "
@@ -981,12 +951,18 @@ RELATIONS: list[Relation] = [
                           "fewer --rounds, or allow a larger --dp-epsilon"),
              when=lambda c: c.dp == "client" and (c.dp_noise is None) != (c.dp_epsilon is None),
              others=("dp_noise", "dp_epsilon", "participation", "clients", "rounds"),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_epsilon": 1e-6, "dp_delta": 1e-5},
+                  {"dp": "client", "dp_clip": 1.0, "dp_noise": 4.0})),
     requires("dp_budget", lambda c: first_epsilon(c) <= c.dp_budget,
+             lambda c: f"--dp-budget {c.dp_budget:g} is below the first round's epsilon {first_epsilon(c):.3g} (noise "
+                       f"multiplier {dp_noise_of(c):.3g}, sampling rate "
+                       f"{clients_per_round(c.clients, c.participation) / c.clients:.3g}, delta {dp_delta_of(c):.3g}), "
                        f"so no round could run; raise --dp-budget, or spend less a round: more noise (--dp-noise, or "
                        f"a smaller --dp-epsilon) or fewer clients a round (--participation)",
              when=lambda c: c.dp == "client" and c.dp_budget is not None and (c.dp_noise is None) != (c.dp_epsilon
                                                                                                       is None),
              others=("dp_noise", "dp_epsilon", "dp_delta", "participation", "clients"),
+             bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_budget": 0.001},)),
     *[applies_when(name, lambda c: c.secagg, f"--{name.replace('_', '-')} applies to --secagg; add --secagg or drop "
                    f"it", others=("secagg",), bad=({name: value},))
       for name, value in (("secagg_shares", 3), ("secagg_threshold", 2), ("secagg_clip_range", 4.0),

@@ -20,7 +20,7 @@ from ..engine.flower.settings import FLOWER_DEFAULTS
 from .run import add_config_arguments, add_resume_arguments, config_from_args
 
 NAME = "flower"
-HELP = "run a method on Flower: superlink, supernode, app, run (flwr run), inprocess, simulate"
+HELP = "run a method on Flower: superlink, supernode, register, app, run (flwr run), inprocess, simulate"
 ORDER = 60
 
 
@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ssl-certfile", help="the SuperLink's certificate (PEM, with its host name / IP as SAN)")
     s.add_argument("--ssl-keyfile", help="the SuperLink's private key (PEM)")
     s.add_argument("--supernode-auth", action="store_true",
-                   help="admit only SuperNodes registered with `flwr supernode register KEY.pub <connection>`")
+                   help="admit only SuperNodes whose keys are registered (fedlt flower register KEY.pub)")
     s.add_argument("--allow-runtime-dependency-installation", action="store_true",
                    help="let the SuperLink `uv sync` each app's dependencies (off by default)")
 
@@ -113,6 +113,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--auth-key", metavar="KEY", help="private EC key (OpenSSH format) registered on the SuperLink")
     n.add_argument("--max-retries", type=COUNT, help="give up after this many failed connection attempts")
     n.add_argument("--max-wait-time", type=SECONDS, help="give up after this many seconds without a connection")
+
+    g = sub.add_parser("register", help="register a SuperNode's public key on a SuperLink started with "
+                                        "--supernode-auth (flwr supernode register)")
+    g.add_argument("public_key", metavar="KEY.pub", help="the SuperNode's public key (ssh-keygen -t ecdsa -b 384)")
+    g.add_argument("--superlink", required=True, type=_address, metavar="HOST:PORT", help="the SuperLink's address")
+    g.add_argument("--root-certificates", required=True, metavar="CA.crt",
+                   help="CA certificate that signed the SuperLink's")
+    g.add_argument("--name", help="a name for the SuperNode (flwr supernode list shows it)")
 
     a = sub.add_parser("app", help="write a Flower App directory (pyproject.toml) for `flwr run`")
     a.add_argument("--app-dir", required=True, help="folder to write")
@@ -238,7 +246,14 @@ def main(args: argparse.Namespace) -> int:
         argv = deploy.supernode_argv(args.superlink, args.partition_id, args.data_dir, args.client_id, args.state_dir,
                                      args.device, args.host, args.port, args.insecure, args.root_certificates,
                                      args.auth_key, args.max_retries, args.max_wait_time)
-        return _exec(argv, deploy.flower_env())
+        deploy.check_connection(args.superlink, args.insecure, args.root_certificates)
+        if args.insecure:
+            return _exec(argv, deploy.flower_env())
+        return deploy.run_supernode(argv, deploy.flower_env(), args.superlink, args.auth_key, args.root_certificates)
+    if cmd == "register":
+        node = deploy.register_supernode(args.public_key, args.superlink, args.root_certificates, args.name)
+        print(f"fedlt: registered {args.public_key} on the SuperLink at {args.superlink}: SuperNode {node}")
+        return 0
     cfg = config_from_args(args)
     if cmd == "app":
         path = deploy.write_app(args.app_dir, cfg, **_flower_kw(args))
@@ -248,6 +263,7 @@ def main(args: argparse.Namespace) -> int:
         from ..config import RunConfig
         from ..runner.rundir import run_dir_for
 
+        deploy.check_connection(args.superlink, args.insecure, args.root_certificates)
         name = cfg.name  # as given: a run named here is resumed with its name (preempt.again)
         if name is None:  # named here, so that this command knows the run directory the ServerApp writes
             cfg = RunConfig(**{**cfg.to_dict(), "name": run_dir_for(cfg).name})

@@ -5,7 +5,9 @@ Flower 1.41/1.42 serve everything over HTTP(S): the SuperLink on one ``--host/--
 Runtime APIs), each SuperNode its own Runtime API on ``--host/--port`` (so SuperNodes that share a host need
 different ports). Across machines use TLS (``--ssl-*`` on the SuperLink, ``--root-certificates`` on the
 SuperNodes and in the ``flwr run`` connection) and SuperNode authentication (``--enable-supernode-auth`` on the
-SuperLink, ``flwr supernode register KEY.pub <connection>``, ``--auth-supernode-private-key`` on the SuperNode).
+SuperLink, ``fedlt flower register KEY.pub`` (:func:`register_supernode`), ``--auth-supernode-private-key`` on the
+SuperNode). A client whose TLS settings do not fit the SuperLink's, or a SuperNode the SuperLink refuses, gets one
+line that names the setting to fix (:func:`tls_problem`, :func:`supernode_refusal`).
 """
 from __future__ import annotations
 
@@ -212,3 +214,157 @@ def flwr_run_argv(app_dir: str | Path, name: str = "fedlt", stream: bool = True,
     for rc in run_config or []:
         argv += ["--run-config", rc]
     return argv + (["--stream"] if stream else [])
+
+
+# ------------------------------------------------------------------------- TLS and SuperNode authentication
+AUTH_HINT = "fedlt flower register KEY.pub --superlink {superlink} --root-certificates CA.crt"
+
+
+def tls_problem(superlink: str, insecure: bool, root_certificates: str | None, timeout: float = 5.0) -> str | None:
+    """What is wrong with a client's TLS settings for the SuperLink at ``superlink`` (HOST:PORT), found by one TLS
+    handshake with them: a SuperLink that speaks TLS to an ``insecure`` client, none to a client with
+    ``root_certificates``, or a certificate that ``root_certificates`` does not verify. None when the handshake
+    agrees with the settings, or nothing answers yet (Flower's clients retry)."""
+    import socket
+    import ssl
+
+    host, _, port = superlink.rpartition(":")
+    host = host.strip("[]")
+    if insecure:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    elif not root_certificates:  # neither: the command says so itself
+        return None
+    elif not Path(root_certificates).is_file():
+        return f"root certificate {root_certificates} not found; give --root-certificates the CA certificate that " \
+               f"signed the SuperLink's (its --ssl-ca-certfile)"
+    else:
+        try:
+            ctx = ssl.create_default_context(cafile=root_certificates)
+        except (OSError, ssl.SSLError) as e:
+            return f"--root-certificates {root_certificates} is no PEM certificate ({e}); give the CA certificate " \
+                   f"that signed the SuperLink's (its --ssl-ca-certfile)"
+    try:
+        with socket.create_connection((host, int(port)), timeout) as s, ctx.wrap_socket(s, server_hostname=host):
+            pass
+    except ssl.SSLCertVerificationError as e:
+        return cert_line(superlink, root_certificates, e.verify_message)
+    except ssl.SSLError:  # no TLS on the other side (an HTTP answer to the handshake)
+        if insecure:
+            return None
+        return f"the SuperLink at {superlink} does not use TLS (it was started with --insecure): start it with " \
+               f"--ssl-ca-certfile, --ssl-certfile and --ssl-keyfile, or for tests on 127.0.0.1 give --insecure " \
+               f"instead of --root-certificates"
+    except OSError:  # not reachable (yet)
+        return None
+    if insecure:
+        return f"the SuperLink at {superlink} uses TLS: give --root-certificates CA.crt (the CA certificate that " \
+               f"signed the SuperLink's, its --ssl-ca-certfile) instead of --insecure"
+    return None
+
+
+def cert_line(superlink: str, root_certificates: str | None, why: str) -> str:
+    """The line for a SuperLink certificate that the client's root certificates do not verify (``why``)."""
+    head = f"the SuperLink at {superlink} presented a certificate that --root-certificates {root_certificates} " \
+           f"does not verify ({why})"
+    if "mismatch" in why.lower():  # signed by that CA, for another name
+        return f"{head}: give the SuperLink a certificate (--ssl-certfile) whose subjectAltName holds " \
+               f"{superlink.rpartition(':')[0]}, or connect to a name it holds"
+    return f"{head}: give --root-certificates the CA certificate that signed the SuperLink's (its --ssl-ca-certfile)"
+
+
+def check_connection(superlink: str, insecure: bool, root_certificates: str | None) -> None:
+    """:func:`tls_problem` as a one-line error."""
+    problem = tls_problem(superlink, insecure, root_certificates)
+    if problem:
+        raise ConfigError(problem)
+
+
+def supernode_refusal(text: str, superlink: str, auth_key: str | None, root_certificates: str | None) -> str | None:
+    """fedlt's line for a Flower SuperNode's failure to connect, from Flower's error text ``text``: a key the
+    SuperLink does not know, no key where it admits registered SuperNodes only, a certificate that the root
+    certificates do not verify. None for any other failure."""
+    import re
+
+    hint = AUTH_HINT.format(superlink=superlink)
+    if "[code: 2004]" in text and auth_key:  # FLEET_NODE_ACTIVATION_FAILED: no SuperNode has this key, or one is on
+        return f"the SuperLink at {superlink} refused this SuperNode's --auth-key {auth_key}: no SuperNode is " \
+               f"registered with it ({hint.replace('KEY', auth_key)} registers it) or another one is online with it " \
+               f"(give each SuperNode a key of its own)"
+    if "[code: 2001]" in text:  # FLEET_SUPERNODE_REGISTRATION_DISABLED: authentication on, the SuperNode has no key
+        return f"the SuperLink at {superlink} admits registered SuperNodes only (--supernode-auth): give --auth-key " \
+               f"KEY, a private key whose public key is registered ({hint})"
+    m = re.search(r"CERTIFICATE_VERIFY_FAILED\] certificate verify failed: ([^(\n]*)", text)
+    if m:
+        return cert_line(superlink, root_certificates, m.group(1).strip())
+    return None
+
+
+def run_supernode(argv: list[str], env: dict, superlink: str, auth_key: str | None,
+                  root_certificates: str | None) -> int:
+    """The Flower SuperNode ``argv`` as a child whose output this process passes on, line by line, and whose
+    signals it forwards; Flower's error block at a failed start (``Exit Code: ...`` to its link) is held back. A
+    refusal that :func:`supernode_refusal` knows becomes its one-line error; another failure shows the block."""
+    import signal
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(argv, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace")
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    old = {s: signal.signal(s, lambda sig, _frame: proc.send_signal(sig)) for s in forwarded}
+    held: list[str] = []
+
+    def pump():  # till the pipe's end: the SuperNode's own children hold it a while after it exits
+        for line in proc.stdout:
+            if held or "Exit Code:" in line:
+                held.append(line)
+                continue
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    reader.join(1)
+    refusal = supernode_refusal("".join(held), superlink, auth_key, root_certificates) if rc else None
+    if refusal:
+        raise ConfigError(refusal)
+    sys.stdout.writelines(held)
+    sys.stdout.flush()
+    return rc
+
+
+def register_supernode(public_key: str, superlink: str, root_certificates: str, name: str | None = None) -> str:
+    """Register the SuperNode key ``public_key`` (OpenSSH, EC) on the SuperLink at ``superlink`` (started with
+    ``--supernode-auth``) with ``flwr supernode register`` over a connection of its own; returns the node id.
+    Flower's refusal (a key already registered, one that is no EC key) is a one-line error."""
+    import json
+    import re
+    import subprocess
+    import tempfile
+
+    if not Path(public_key).is_file():
+        raise ConfigError(f"public key {public_key} not found (a SuperNode key pair: ssh-keygen -t ecdsa -b 384 -N '' "
+                          f"-f KEY writes KEY and KEY.pub)")
+    check_connection(superlink, False, root_certificates)
+    env = flower_env()
+    with tempfile.TemporaryDirectory(prefix="fedlt-flwr-home-") as home:
+        env["FLWR_HOME"] = home
+        write_connection(home, superlink, root_certificates=root_certificates)
+        argv = [program("flwr"), "supernode", "register", str(Path(public_key).resolve()), "fedlt", "--format",
+                "json", *(["--name", name] if name else [])]
+        res = subprocess.run(argv, env=env, capture_output=True, text=True)
+    try:
+        reply = json.loads(res.stdout[res.stdout.index("{"):])
+    except ValueError:
+        reply = {}
+    if res.returncode == 0 and reply.get("success"):
+        return str(reply["node-id"])
+    why = (reply.get("error-message") or "").strip().splitlines()[-1:]  # after "Using SuperLink: ..."
+    why = why[0] if why else " ".join(re.sub(r"[│╭╰─╮╯]", " ", res.stdout + res.stderr).split())[-300:]
+    raise ConfigError(f"the SuperLink at {superlink} did not register {public_key}: {why}")
