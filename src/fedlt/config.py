@@ -19,6 +19,7 @@ from .core.dpsgd import COUNTS_NOISE, reads_counts
 from .core import secagg
 from .core.finetune import finetune_refusal
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
+from .pretrained import is_clip, is_pretrained
 from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
                    check_relations, check_values, coerce, declared_in, excludes, requires, rows, settings_of, setting,
                    show, words)
@@ -119,6 +120,9 @@ class RunConfig:
     lora_targets: str | None = declared_in(RunSpec, "lora_targets")
     lora_agg: str = declared_in(RunSpec, "lora_agg")
     bn_stats: str = declared_in(RunSpec, "bn_stats")
+    pretrained_size: int | None = declared_in(RunSpec, "pretrained_size")  # pre-trained models (fedlt.pretrained)
+    head: str = declared_in(RunSpec, "head")
+    head_fixed: bool = declared_in(RunSpec, "head_fixed")
     rounds: int = declared_in(RunSpec, "rounds", reads=("engine",))
     participation: float = setting(0.5, "clients per round: a fraction (<= 1) or a count (> 1)", low=0,
                                    low_open=True, group=TRAIN, reads=("engine",))
@@ -882,6 +886,17 @@ RELATIONS: list[Relation] = [
                  "BatchNorm trains as the model does, under head the features are computed once, with the pre-trained "
                  "statistics); add --finetune lora or drop it", others=("finetune",),
                  bad=({"bn_stats": "local"}, {"bn_stats": "local", "finetune": "head"})),
+    # pre-trained models (fedlt.pretrained)
+    applies_when("pretrained_size", lambda c: is_pretrained(c.model),
+                 lambda c: f"--pretrained-size applies to pre-trained models (--model efficientnet-lite0 or "
+                           f"hf:<hub id or directory>), not {c.model or 'the dataset default'}; drop it",
+                 others=("model",), bad=({"pretrained_size": 64},)),
+    requires("head", lambda c: is_clip(c.model),
+             lambda c: f"--head clip-text needs a CLIP model: --model hf:<a CLIP model's hub id or directory> (e.g. "
+                       f"hf:openai/clip-vit-base-patch32), not {c.model or 'the dataset default'}; or --head linear",
+             when=lambda c: c.head == "clip-text", others=("model",), bad=({"head": "clip-text"},)),
+    applies_when("head_fixed", lambda c: c.head == "clip-text", "--head-fixed applies to --head clip-text; add it "
+                 "or drop --head-fixed", others=("head",), bad=({"head_fixed": True},)),
     requires("dp", lambda c: c.dp_clip is not None,
              lambda c: "--dp client needs --dp-clip C, the norm each client's update is clipped to (e.g. 1.0; McMahan "
                        "et al. tune it to the median update norm)" if c.dp == "client" else

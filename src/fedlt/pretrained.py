@@ -24,8 +24,22 @@ The interface (stable; what fine-tuning modes, LoRA and the CLIP text head build
     pre.describe(in_shape)   # the one line a run prints: how its images become the model's input
 
     is_pretrained(name)    # whether a --model name is one of these (hf:..., efficientnet-lite0)
+    load_for(spec)         # a run's: load(spec.model, size=spec.pretrained_size, device=spec.device)
+    clip_text_head(name, class_names)   # CLIP's normalised text embeddings of "a photo of a {class}" [C, D]
 
 ``load`` is cached per process and per name: every client, method and worker of a process shares one ``net``.
+
+Settings (declared here, once; the run's spec includes each: :class:`PretrainedSettings`): ``--pretrained-size S``
+(feed S x S images instead of the model's own size), ``--head linear | clip-text`` and ``--head-fixed``. The head
+of a model is made by ``fedlt.models.make_head`` (``build_model`` and every fine-tuning mode use it).
+
+**The CLIP text head** (``--head clip-text``, with ``--model hf:<a CLIP model>``; how CLIP2FL, CAPT and zero-shot
+CLIP start): the classifier's rows are CLIP's text embeddings of ``"a photo of a {class}"`` for the dataset's
+class names (underscores read as spaces), L2-normalised, bias 0, from the text tower and tokenizer in the same
+directory as the image tower. The backbone's features are CLIP's projected image embeddings, so the logits are
+``|f(x)| cos(f(x), t_c)``: per image the zero-shot CLIP's logits up to a positive factor, the same prediction.
+By default the head starts there and trains; ``--head-fixed`` keeps it (its weight and bias are buffers: in the
+state dict, identical on every client, never trained), which with a frozen backbone is zero-shot CLIP.
 
 Weights are read without running code from a file: Hugging Face models with ``use_safetensors=True`` and never
 ``trust_remote_code`` (a directory holding only a pickle checkpoint, ``pytorch_model.bin``, is refused); the
@@ -63,6 +77,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -72,9 +87,11 @@ import torch
 from torch import nn
 
 from .data.transforms import to_model_input
+from .decl import TRAIN, setting
 from .errors import ConfigError
 
-__all__ = ["FAMILIES", "Preprocess", "Pretrained", "PretrainedBackbone", "load", "is_pretrained", "hf_location",
+__all__ = ["FAMILIES", "HEADS", "Preprocess", "Pretrained", "PretrainedBackbone", "PretrainedSettings", "load",
+           "load_for", "is_pretrained", "is_clip", "hf_location", "hf_state", "clip_text_head", "PROMPT",
            "EFFICIENTNET_LITE0", "IMAGENET_MEAN", "IMAGENET_STD"]
 
 FAMILIES = ("vit", "convnet")
@@ -88,6 +105,25 @@ VIT_TYPES = ("vit", "deit", "dinov2", "dinov2_with_registers", "beit", "data2vec
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt",
            "tf_model.h5", "flax_model.msgpack")
 RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's numbering, as preprocessor_config.json writes it
+HEADS = ("linear", "clip-text")
+PROMPT = "a photo of a {}"
+
+
+@dataclass
+class PretrainedSettings:
+    """The pre-trained models' settings, declared once (the run's spec, ``RunSpec``, includes each)."""
+
+    pretrained_size: int | None = setting(None, "pre-trained models (efficientnet-lite0, hf:...): the size S of "
+                                                "the S x S images they are fed", low=8, high=4096, unit="pixels",
+                                          group=TRAIN, reads=("spec",),
+                                          none_means="the model's own (its preprocessor's; 224 for "
+                                                     "EfficientNet-Lite0)")
+    head: str = setting("linear", "the classifier: linear (a fresh linear layer) or clip-text (CLIP's text "
+                                  "embeddings of 'a photo of a {class}' for the dataset's class names; with --model "
+                                  "hf:<a CLIP model>)", choices=HEADS, group=TRAIN, reads=("spec",))
+    head_fixed: bool = setting(False, "--head clip-text: keep the classifier at the text embeddings (zero-shot "
+                                      "CLIP's) instead of starting there and training it", group=TRAIN,
+                               reads=("spec",))
 
 
 @dataclass(frozen=True)
@@ -176,6 +212,12 @@ class PretrainedBackbone(nn.Module):
 def is_pretrained(name: str | None) -> bool:
     """Whether a ``--model`` name is a pre-trained backbone of this module."""
     return bool(name) and (name == EFFICIENTNET_LITE0 or name.startswith("hf:"))
+
+
+def load_for(spec) -> Pretrained:
+    """The pre-trained backbone of a run's spec (``fedlt.core.spec.RunSpec``): its model, --pretrained-size and
+    device."""
+    return load(spec.model, getattr(spec, "pretrained_size", None), getattr(spec, "device", "cpu"))
 
 
 def load(name: str, size: int | None = None, device="cpu") -> Pretrained:
@@ -326,6 +368,32 @@ class HFFeatures(nn.Module):
         return h.mean(dim=(2, 3)) if h.dim() == 4 else h.mean(dim=1)
 
 
+@contextmanager
+def _quiet(transformers):
+    """transformers without its warnings and progress bars (a run prints its own one line)."""
+    tlog = transformers.utils.logging
+    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tlog.set_verbosity(verbosity)
+        if bars:
+            tlog.enable_progress_bar()
+
+
+def _clip_config(transformers, d: Path, part: str):
+    """A CLIP model's text or vision config (``part``) with the model's projection width (a CLIPModel's
+    sub-configs keep their own default, 512, which its projections need not have)."""
+    config = transformers.AutoConfig.from_pretrained(str(d), trust_remote_code=False)
+    if config.model_type != "clip":
+        return config
+    sub = getattr(config, part)
+    sub.projection_dim = config.projection_dim
+    return sub
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
 
@@ -415,20 +483,19 @@ def _hf(ref: str, size: int | None) -> Pretrained:
     d = hf_location(ref)
     _check_files(ref, d)
     name = f"hf:{ref}"
-    tlog = transformers.utils.logging
-    verbosity = tlog.get_verbosity()
-    tlog.set_verbosity_error()
-    tlog.disable_progress_bar()
-    try:
+    with _quiet(transformers):
         try:
             config = transformers.AutoConfig.from_pretrained(str(d), trust_remote_code=False)
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"model {name}: its config.json is not one transformers knows ({_first(e)})") from None
         mt = config.model_type
+        kw: dict[str, Any] = {}
         if mt == "clip" or (mt == "clip_vision_model" and hasattr(config, "projection_dim")):
             cls, features = transformers.CLIPVisionModelWithProjection, "image_embeds"
+            kw["config"] = config = _clip_config(transformers, d, "vision_config")
         elif mt == "siglip":
             cls, features = transformers.SiglipVisionModel, "pooler"
+            kw["config"] = config = config.vision_config
         elif hasattr(config, "vision_config") or not hasattr(config, "num_channels"):
             raise ConfigError(f"model {name}: a {mt} model is not a vision backbone fedlt can pool features from; "
                               f"choose an image model (ViT, DeiT, DINOv2, CLIP, ConvNeXt, ResNet, ...)")
@@ -436,11 +503,9 @@ def _hf(ref: str, size: int | None) -> Pretrained:
             cls, features = transformers.AutoModel, "pooler"
         try:
             model, info = cls.from_pretrained(str(d), use_safetensors=True, trust_remote_code=False,
-                                              output_loading_info=True)
+                                              output_loading_info=True, **kw)
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"model {name}: its weights do not load ({_first(e)})") from None
-    finally:
-        tlog.set_verbosity(verbosity)
     missing = [k for k in info.get("missing_keys", []) if "pooler" not in k.split(".")]
     if missing:
         raise ConfigError(f"model {name}: its weights lack {len(missing)} of the model's tensors ({missing[0]}, ...)")
@@ -465,3 +530,126 @@ def _has_pooler(model: nn.Module) -> bool:
 def _first(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+# ------------------------------------------------------------------------------------------------ CLIP's text head
+
+
+def is_clip(name: str | None) -> bool:
+    """Whether ``name`` is ``hf:`` a CLIP model with a text tower (its config.json's model_type is clip)."""
+    if not name or not name.startswith("hf:"):
+        return False
+    return _read_json(hf_location(name[3:]) / "config.json").get("model_type") == "clip"
+
+
+def clip_text_head(name: str, class_names, template: str = PROMPT) -> torch.Tensor:
+    """CLIP's text embeddings [C, D] of ``template`` filled with each class name (underscores as spaces),
+    L2-normalised: the rows of ``--head clip-text``. ``name``: ``hf:`` a CLIP model whose directory also holds
+    the text tower and a tokenizer. Cached per process."""
+    names = tuple(str(c) for c in class_names)
+    if not names:
+        raise ConfigError("--head clip-text needs the dataset's class names, and this dataset has none; choose "
+                          "--head linear")
+    if not is_clip(name):
+        raise ConfigError(f"--head clip-text needs a CLIP model (--model hf:<a CLIP model's hub id or directory>, "
+                          f"e.g. hf:openai/clip-vit-base-patch32); got {name}")
+    return _clip_text(name, names, template).clone()
+
+
+@lru_cache(maxsize=8)
+def _clip_text(name: str, names: tuple[str, ...], template: str) -> torch.Tensor:
+    transformers = _need("transformers")
+    d = hf_location(name[3:])
+    with _quiet(transformers):
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"--head clip-text: {name} has no tokenizer fedlt can read ({_first(e)})") from None
+        try:
+            text = transformers.CLIPTextModelWithProjection.from_pretrained(
+                str(d), use_safetensors=True, trust_remote_code=False,
+                config=_clip_config(transformers, d, "text_config"))
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"--head clip-text: {name}'s text tower does not load ({_first(e)})") from None
+    prompts = [template.format(c.replace("_", " ")) for c in names]
+    with torch.no_grad():
+        t = text.eval()(**tok(prompts, padding=True, return_tensors="pt")).text_embeds
+    return torch.nn.functional.normalize(t.float(), dim=1)
+
+
+# ------------------------------------------------------------------------------------------------ other layouts
+
+
+def hf_state(ref: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``hf:<ref>``'s config.json (a dict) and its tensors, read from its safetensors files as plain tensors (no
+    model built, no code run): what FedGPA's ViT and CLIP2FL's tower convert to their layouts."""
+    from safetensors.torch import load_file
+
+    d = hf_location(ref)
+    _check_files(ref, d)
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            sd.update(load_file(str(f), device="cpu"))
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"model hf:{ref}: {f} is not a readable safetensors file ({type(e).__name__})") \
+                from None
+    return _read_json(d / "config.json"), sd
+
+
+def _strip(sd: dict[str, torch.Tensor], prefixes) -> dict[str, torch.Tensor]:
+    """The entries under the first of ``prefixes`` that any key has, the prefix removed."""
+    for p in prefixes:
+        if any(k.startswith(p) for k in sd):
+            return {k[len(p):]: v for k, v in sd.items() if k.startswith(p)}
+    return sd
+
+
+def hf_vit_as_timm(ref: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """A Hugging Face ViT (``ViTModel``'s layout, or ``ViTForImageClassification``'s ``vit.``) as timm's layout
+    (``fedlt.core.vit``), and its config (heads: ``num_attention_heads``, ``layer_norm_eps``)."""
+    config, sd = hf_state(ref)
+    if config.get("model_type") not in ("vit", "deit"):
+        raise ConfigError(f"model hf:{ref}: a {config.get('model_type')} model is not a ViT (timm's layout: vit, deit)")
+    sd = _strip(sd, ("vit.", "deit."))
+    out = {"patch_embed.proj.weight": sd["embeddings.patch_embeddings.projection.weight"],
+           "patch_embed.proj.bias": sd["embeddings.patch_embeddings.projection.bias"],
+           "cls_token": sd["embeddings.cls_token"], "pos_embed": sd["embeddings.position_embeddings"],
+           "norm.weight": sd["layernorm.weight"], "norm.bias": sd["layernorm.bias"]}
+    layers = sorted({int(k.split(".")[2]) for k in sd if k.startswith("encoder.layer.")})
+    for i in layers:
+        a, b = f"encoder.layer.{i}.", f"blocks.{i}."
+        for w in ("weight", "bias"):
+            out[b + "attn.qkv." + w] = torch.cat([sd[f"{a}attention.attention.{n}.{w}"]
+                                                  for n in ("query", "key", "value")])
+            for src, dst in (("attention.output.dense", "attn.proj"), ("layernorm_before", "norm1"),
+                             ("layernorm_after", "norm2"), ("intermediate.dense", "mlp.fc1"),
+                             ("output.dense", "mlp.fc2")):
+                out[f"{b}{dst}.{w}"] = sd[f"{a}{src}.{w}"]
+    return out, config
+
+
+def hf_clip_as_openai(ref: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """A Hugging Face CLIP image tower (``CLIPModel``'s or ``CLIPVisionModelWithProjection``'s layout) as
+    OpenAI's (``fedlt.core.clip.ImageTower``), and its vision config (``num_attention_heads``, ...)."""
+    config, sd = hf_state(ref)
+    if config.get("model_type") not in ("clip", "clip_vision_model"):
+        raise ConfigError(f"model hf:{ref}: a {config.get('model_type')} model is not a CLIP image tower")
+    if "visual_projection.weight" not in sd:
+        raise ConfigError(f"model hf:{ref}: no visual_projection (a CLIP model or CLIPVisionModelWithProjection)")
+    proj = sd["visual_projection.weight"]
+    v = _strip(sd, ("vision_model.",))
+    out = {"conv1.weight": v["embeddings.patch_embedding.weight"], "class_embedding": v["embeddings.class_embedding"],
+           "positional_embedding": v["embeddings.position_embedding.weight"], "proj": proj.t().contiguous()}
+    for src, dst in (("pre_layrnorm", "ln_pre"), ("post_layernorm", "ln_post")):
+        for w in ("weight", "bias"):
+            out[f"{dst}.{w}"] = v[f"{src}.{w}"]
+    layers = sorted({int(k.split(".")[2]) for k in v if k.startswith("encoder.layers.")})
+    for i in layers:
+        a, b = f"encoder.layers.{i}.", f"transformer.resblocks.{i}."
+        for w in ("weight", "bias"):
+            out[f"{b}attn.in_proj_{w}"] = torch.cat([v[f"{a}self_attn.{n}_proj.{w}"] for n in ("q", "k", "v")])
+            for src, dst in (("self_attn.out_proj", "attn.out_proj"), ("layer_norm1", "ln_1"),
+                             ("layer_norm2", "ln_2"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
+                out[f"{b}{dst}.{w}"] = v[f"{a}{src}.{w}"]
+    return out, config.get("vision_config") or config

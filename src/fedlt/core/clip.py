@@ -9,6 +9,10 @@ width], ``ln_pre``, ``transformer.resblocks.{i}.{ln_1, attn.in_proj_weight/bias,
 mlp.c_proj}``, ``ln_post``, ``proj`` [width, embed]; a ``visual.`` prefix (the whole model's state dict) is
 stripped and every other key ignored. Heads = width // 64 (OpenAI's rule), at least 1.
 
+Or, with the ``pretrained`` extra, a Hugging Face CLIP model for both: ``hf:openai/clip-vit-base-patch32`` (a hub
+id, through the hub's cache) or ``hf:/path/to/dir``, read as safetensors (:mod:`fedlt.pretrained`): the image
+tower converted to OpenAI's layout, the text embeddings computed from its text tower and the dataset's class names.
+
 Getting the files (on a machine with the ``clip`` package and internet access; see docs/methods-guide.md)::
 
     import clip, torch
@@ -104,8 +108,17 @@ def read_safetensors(path: str, what: str) -> dict[str, torch.Tensor]:
 
 
 def load_image_tower(path: str, device="cpu") -> ImageTower:
-    """An :class:`ImageTower` with the architecture and weights of the file (frozen, eval mode)."""
-    sd = read_safetensors(path, "CLIP image tower")
+    """An :class:`ImageTower` with the architecture and weights of the file (frozen, eval mode); ``path``
+    ``hf:<hub id or directory>``: a Hugging Face CLIP model, read as :mod:`fedlt.pretrained` reads every model
+    (safetensors only, the hub's cache, ``HF_HUB_OFFLINE``) and converted to OpenAI's layout."""
+    heads = None
+    if path.startswith("hf:"):
+        from ..pretrained import hf_clip_as_openai
+
+        sd, config = hf_clip_as_openai(path[3:])
+        heads = int(config.get("num_attention_heads", 12))
+    else:
+        sd = read_safetensors(path, "CLIP image tower")
     if any(k.startswith("visual.") for k in sd):
         sd = {k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")}
     require(sd, ("conv1.weight", "class_embedding", "positional_embedding", "proj"),
@@ -113,7 +126,7 @@ def load_image_tower(path: str, device="cpu") -> ImageTower:
     width, _, patch, _ = sd["conv1.weight"].shape
     grid = round((sd["positional_embedding"].shape[0] - 1) ** 0.5)
     layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
-    tower = ImageTower(grid * patch, patch, width, layers, max(width // 64, 1), sd["proj"].shape[1], device)
+    tower = ImageTower(grid * patch, patch, width, layers, heads or max(width // 64, 1), sd["proj"].shape[1], device)
     return frozen_tower(tower, sd, f"CLIP image tower: {path} does not fit a ViT of width {width}, {layers} layers")
 
 
@@ -134,8 +147,14 @@ def frozen_tower(tower: nn.Module, sd: dict[str, torch.Tensor], misfit: str) -> 
     return tower.eval().requires_grad_(False)
 
 
-def load_text_embeddings(path: str, num_classes: int, device="cpu") -> torch.Tensor:
-    """The file's ``text`` tensor [C, embed], L2-normalised (one row per class, in class order)."""
+def load_text_embeddings(path: str, num_classes: int, device="cpu", class_names=()) -> torch.Tensor:
+    """The file's ``text`` tensor [C, embed], L2-normalised (one row per class, in class order); ``path``
+    ``hf:<a CLIP model>``: its text tower's embeddings of "a photo of a {class}" for ``class_names``
+    (:func:`fedlt.pretrained.clip_text_head`, the rows of ``--head clip-text``)."""
+    if path.startswith("hf:"):
+        from ..pretrained import clip_text_head
+
+        return clip_text_head(path, class_names).to(device)
     sd = read_safetensors(path, "CLIP text embeddings")
     t = sd.get("text")
     if t is None or t.dim() != 2 or t.shape[0] != num_classes:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..decl import check_values, from_values
-from ..models import Model, build_model
+from ..models import Model, build_model, model_options
 from .finetune import build_finetune_model
 from .privacy import MODEL, Sent, check_declaration, sent
 from .spec import RunSpec, load_weights, weights_of
@@ -204,8 +204,7 @@ class Method:
         s = self.spec
         if s.finetune != "full":  # a frozen backbone, shared, outside the model (core.finetune)
             return build_finetune_model(s)
-        m = build_model(s.model, s.in_shape, s.num_classes, seed=s.seed,
-                        input_norm=(s.data.get("input_mean"), s.data.get("input_std"))).to(s.device)
+        m = build_model(s.model, s.in_shape, s.num_classes, seed=s.seed, **model_options(s)).to(s.device)
         conv = any(isinstance(x, nn.Conv2d) for x in m.modules())
         auto = torch.device(s.device).type == "cuda" and s.precision != "fp32" and conv
         if s.channels_last == "on" or (s.channels_last == "auto" and auto):

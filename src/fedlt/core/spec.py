@@ -16,6 +16,7 @@ from torch import nn
 
 from ..decl import DATA, INT32, TRAIN, declared_in, setting, show
 from ..errors import ConfigError
+from ..pretrained import PretrainedSettings
 from .finetune import Finetune
 
 
@@ -101,6 +102,10 @@ class RunSpec:
     lora_targets: str | None = declared_in(Finetune, "lora_targets")
     lora_agg: str = declared_in(Finetune, "lora_agg")
     bn_stats: str = declared_in(Finetune, "bn_stats")
+    # pre-trained models: the size they are fed, the classifier (fedlt.pretrained, where they are declared)
+    pretrained_size: int | None = declared_in(PretrainedSettings, "pretrained_size")
+    head: str = declared_in(PretrainedSettings, "head")
+    head_fixed: bool = declared_in(PretrainedSettings, "head_fixed")
     # The data settings (dataset, data_dir, imbalance_ratio, lt_profile, tail_classes, n_max, seed), plain
     # values like the rest: a server that holds data of its own (Ratio Loss's auxiliary balanced set) can
     # rebuild which training samples the clients hold, and draw its own from the others; and input_mean /

@@ -8,6 +8,10 @@ and the architecture is inferred from their shapes, so any plain ViT in timm's l
 other key (the pre-trained ``head``) is ignored. Heads = width // 64 (ViT-B/16: 12), at least 1; GELU, LayerNorm
 eps 1e-6, as timm's ViT.
 
+Or, with the ``pretrained`` extra, a Hugging Face ViT: ``vit_weights=hf:google/vit-base-patch16-224`` (a hub id,
+through the hub's cache) or ``hf:/path/to/dir`` (a ``save_pretrained`` directory), read as safetensors and
+converted to timm's layout (:func:`fedlt.pretrained.hf_vit_as_timm`).
+
 Getting the file (on a machine with ``timm`` and internet access)::
 
     import timm
@@ -32,14 +36,14 @@ class Block(nn.Module):
     """A pre-norm transformer block in timm's layout (``norm1``, ``attn.qkv``, ``attn.proj``, ``norm2``,
     ``mlp.fc1``, ``mlp.fc2``)."""
 
-    def __init__(self, width: int, heads: int, device="cpu"):
+    def __init__(self, width: int, heads: int, device="cpu", eps: float = 1e-6):
         super().__init__()
         self.heads = heads
-        self.norm1 = nn.LayerNorm(width, eps=1e-6, device=device)
+        self.norm1 = nn.LayerNorm(width, eps=eps, device=device)
         self.attn = nn.Module()
         self.attn.qkv = nn.Linear(width, 3 * width, device=device)
         self.attn.proj = nn.Linear(width, width, device=device)
-        self.norm2 = nn.LayerNorm(width, eps=1e-6, device=device)
+        self.norm2 = nn.LayerNorm(width, eps=eps, device=device)
         self.mlp = nn.Module()
         self.mlp.fc1 = nn.Linear(width, 4 * width, device=device)
         self.mlp.fc2 = nn.Linear(4 * width, width, device=device)
@@ -55,7 +59,8 @@ class Block(nn.Module):
 class ViTTower(nn.Module):
     """The frozen ViT: patch embedding, class token, position embedding, blocks, final norm."""
 
-    def __init__(self, resolution: int, patch: int, width: int, depth: int, heads: int, device="cpu"):
+    def __init__(self, resolution: int, patch: int, width: int, depth: int, heads: int, device="cpu",
+                 eps: float = 1e-6):
         super().__init__()
         self.resolution, self.width, self.depth = resolution, width, depth
         self.patch_embed = nn.Module()
@@ -63,8 +68,8 @@ class ViTTower(nn.Module):
         grid = resolution // patch
         self.cls_token = nn.Parameter(torch.zeros(1, 1, width, device=device))
         self.pos_embed = nn.Parameter(torch.zeros(1, grid * grid + 1, width, device=device))
-        self.blocks = nn.ModuleList([Block(width, heads, device) for _ in range(depth)])
-        self.norm = nn.LayerNorm(width, eps=1e-6, device=device)
+        self.blocks = nn.ModuleList([Block(width, heads, device, eps) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width, eps=eps, device=device)
 
     def forward(self, x: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
         """The class token's final representation [B, width] of images ``x`` [B, 3, R, R] (ViT-normalised). With
@@ -80,14 +85,24 @@ class ViTTower(nn.Module):
 
 
 def load_vit(path: str, device="cpu") -> ViTTower:
-    """A :class:`ViTTower` with the architecture and weights of the safetensors file (frozen, eval mode)."""
-    sd = read_safetensors(path, "ViT weights")
+    """A :class:`ViTTower` with the architecture and weights of the safetensors file (frozen, eval mode); ``path``
+    ``hf:<hub id or directory>``: a Hugging Face ViT, read as :mod:`fedlt.pretrained` reads every model
+    (safetensors only, the hub's cache, ``HF_HUB_OFFLINE``) and converted to timm's layout (its heads and
+    LayerNorm epsilon from its config)."""
+    heads = eps = None
+    if path.startswith("hf:"):
+        from ..pretrained import hf_vit_as_timm
+
+        sd, config = hf_vit_as_timm(path[3:])
+        heads, eps = int(config.get("num_attention_heads", 12)), float(config.get("layer_norm_eps", 1e-12))
+    else:
+        sd = read_safetensors(path, "ViT weights")
     require(sd, ("patch_embed.proj.weight", "cls_token", "pos_embed", "norm.weight"), f"ViT weights: {path}",
             "timm's ViT layout")
     width, _, patch, _ = sd["patch_embed.proj.weight"].shape
     grid = round((sd["pos_embed"].shape[1] - 1) ** 0.5)
     depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
-    tower = ViTTower(grid * patch, patch, width, depth, max(width // 64, 1), device)
+    tower = ViTTower(grid * patch, patch, width, depth, heads or max(width // 64, 1), device, eps or 1e-6)
     return frozen_tower(tower, sd, f"ViT weights: {path} does not fit a ViT of width {width}, {depth} blocks")
 
 

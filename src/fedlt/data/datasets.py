@@ -47,7 +47,21 @@ def _check_labels(y: np.ndarray, num_classes: int, where: str) -> None:
                         f"is this the right dataset?")
 
 
-def _load_idx_dataset(name, data_dir, system, install_hint, mean, std, num_classes=10) -> Dataset:
+# class names, in label order (a CLIP text head prompts with them: fedlt.pretrained.clip_text_head)
+FASHION_MNIST_CLASSES = ("T-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
+                         "ankle boot")
+DIGIT_CLASSES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CIFAR100_CLASSES = tuple("""apple aquarium_fish baby bear beaver bed bee beetle bicycle bottle bowl boy bridge bus butterfly
+camel can castle caterpillar cattle chair chimpanzee clock cloud cockroach couch crab crocodile cup dinosaur dolphin
+elephant flatfish forest fox girl hamster house kangaroo keyboard lamp lawn_mower leopard lion lizard lobster man
+maple_tree motorcycle mountain mouse mushroom oak_tree orange orchid otter palm_tree pear pickup_truck pine_tree plain
+plate poppy porcupine possum rabbit raccoon ray road rocket rose sea seal shark shrew skunk skyscraper snail snake
+spider squirrel streetcar sunflower sweet_pepper table tank telephone television tiger tractor train trout tulip turtle
+wardrobe whale willow_tree wolf woman worm""".split())  # the fine_label_names of cifar-100-python/meta
+
+
+def _load_idx_dataset(name, data_dir, system, install_hint, mean, std, num_classes=10, class_names=()) -> Dataset:
     stems = [("xtr", "train-images-idx3-ubyte"), ("ytr", "train-labels-idx1-ubyte"),
              ("xte", "t10k-images-idx3-ubyte"), ("yte", "t10k-labels-idx1-ubyte")]
     hint = f"put the four idx files (or their .gz) there" if data_dir else install_hint
@@ -72,6 +86,7 @@ def _load_idx_dataset(name, data_dir, system, install_hint, mean, std, num_class
         num_classes=num_classes,
         mean=mean,
         std=std,
+        class_names=list(class_names),
         source=str(root),
     )
 
@@ -82,7 +97,7 @@ def load_fashion_mnist(data_dir: str | None = None, **_) -> Dataset:
     return _load_idx_dataset(
         "fashion-mnist", data_dir, ["/usr/share/datasets/fashion-mnist"],
         "install it with `apt-get install -y dataset-fashion-mnist` or pass --data-dir with the four idx files",
-        mean=(0.2860,), std=(0.3530,),
+        mean=(0.2860,), std=(0.3530,), class_names=FASHION_MNIST_CLASSES,
     )
 
 
@@ -92,7 +107,7 @@ def load_mnist(data_dir: str | None = None, **_) -> Dataset:
     return _load_idx_dataset(
         "mnist", data_dir, [],
         "pass --data-dir (or set $FEDLT_DATA) to a folder with the four MNIST idx files",
-        mean=(0.1307,), std=(0.3081,),
+        mean=(0.1307,), std=(0.3081,), class_names=DIGIT_CLASSES,
     )
 
 
@@ -108,7 +123,8 @@ def _unpickle(path: Path) -> dict:
         raise DataError(f"corrupt CIFAR batch file {path}: {e}; re-extract the python-version archive") from None
 
 
-def _load_cifar(name: str, data_dir: str | None, folder: str, train_files, test_files, label_key, num_classes):
+def _load_cifar(name: str, data_dir: str | None, folder: str, train_files, test_files, label_key, num_classes,
+                class_names):
     dirs = []
     for d in candidate_dirs(data_dir, name, []):
         dirs += [d / folder, d]
@@ -140,7 +156,7 @@ def _load_cifar(name: str, data_dir: str | None, folder: str, train_files, test_
     return Dataset(
         name=name, x_train=xtr, y_train=ytr, x_test=xte, y_test=yte, num_classes=num_classes,
         mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), augment="crop-flip",
-        default_model="resnet8", source=str(base),
+        default_model="resnet8", class_names=list(class_names), source=str(base),
     )
 
 
@@ -148,13 +164,14 @@ def _load_cifar(name: str, data_dir: str | None, folder: str, train_files, test_
 def load_cifar10(data_dir: str | None = None, **_) -> Dataset:
     """CIFAR-10, 50k/10k 32x32 colour images, 10 classes (python batches in cifar-10-batches-py/)."""
     return _load_cifar("cifar10", data_dir, "cifar-10-batches-py",
-                       [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], "labels", 10)
+                       [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], "labels", 10, CIFAR10_CLASSES)
 
 
 @DATASETS.register("cifar100")
 def load_cifar100(data_dir: str | None = None, **_) -> Dataset:
     """CIFAR-100, 50k/10k 32x32 colour images, 100 fine classes (python batches in cifar-100-python/)."""
-    ds = _load_cifar("cifar100", data_dir, "cifar-100-python", ["train"], ["test"], "fine_labels", 100)
+    ds = _load_cifar("cifar100", data_dir, "cifar-100-python", ["train"], ["test"], "fine_labels", 100,
+                     CIFAR100_CLASSES)
     ds.mean, ds.std = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
     return ds
 
@@ -191,7 +208,8 @@ def load_digits(data_dir: str | None = None, seed: int = 0, test_fraction: float
     return Dataset(
         name="digits", x_train=torch.from_numpy(x[mask]), y_train=torch.from_numpy(y[mask]),
         x_test=torch.from_numpy(x[test_idx]), y_test=torch.from_numpy(y[test_idx]), num_classes=10,
-        mean=(0.30,), std=(0.38,), default_model="smallcnn", source="scikit-learn's bundled copy",
+        mean=(0.30,), std=(0.38,), default_model="smallcnn", class_names=list(DIGIT_CLASSES),
+        source="scikit-learn's bundled copy",
     )
 
 

@@ -67,8 +67,10 @@ class CLIP2FL(CReFF):
 
     @dataclass
     class Params(CReFF.Params):
-        clip_weights: str = setting("", "safetensors file: a CLIP ViT image tower (OpenAI layout); required")
-        text_embeddings: str = setting("", 'safetensors file: tensor "text" [C, embed], one row per class; required')
+        clip_weights: str = setting("", "safetensors file: a CLIP ViT image tower (OpenAI layout), or hf:<a CLIP "
+                                        "model's hub id or directory>; required")
+        text_embeddings: str = setting("", 'safetensors file: tensor "text" [C, embed], one row per class, or '
+                                           'hf:<a CLIP model> (its text tower on the class names); required')
         alpha: float = setting(1.0, "weight of the CLIP distillation", low=0)
         T: float = setting(3.0, "its temperature", low=0, low_open=True)
         contrast_alpha: float = setting(0.001, "weight of the feature-text contrast on the server", low=0)
@@ -80,7 +82,8 @@ class CLIP2FL(CReFF):
         if not p.clip_weights or not p.text_embeddings:
             raise ConfigError("clip2fl needs pretrained CLIP files: --set clip_weights=PATH --set "
                               "text_embeddings=PATH (safetensors; docs/methods-guide.md says how to make them)")
-        self.text = load_text_embeddings(p.text_embeddings, spec.num_classes, spec.device)
+        self.text = load_text_embeddings(p.text_embeddings, spec.num_classes, spec.device,
+                                         spec.data.get("class_names") or ())
         if p.contrast_alpha > 0 and self.text.shape[1] != self.net.feature_dim:
             raise ConfigError(f"clip2fl: the feature-text contrast needs the model's feature width "
                               f"({self.net.feature_dim}) to equal the text embeddings' ({self.text.shape[1]}); "

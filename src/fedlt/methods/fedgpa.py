@@ -105,7 +105,8 @@ class FedGPA(Method):
 
     @dataclass
     class Params:
-        vit_weights: str = setting("", "safetensors file: a ViT in timm's layout (vit_base_patch16_224); required")
+        vit_weights: str = setting("", "safetensors file: a ViT in timm's layout (vit_base_patch16_224), or "
+                                       "hf:<a Hugging Face ViT's hub id or directory>; required")
         tokens: int = setting(10, "P, deep prompt tokens per block", low=1, limit=10**4)
         varphi: float = setting(4.0, "weight coefficient of the positive gradients", low=0)
         sigma: float = setting(12.0, "slope of the negative weight's sigmoid", low=0)

@@ -56,7 +56,15 @@ def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
                    data=dict(dataset=cfg.dataset, data_dir=cfg.data_dir, imbalance_ratio=cfg.imbalance_ratio,
                              lt_profile=lt_profile_of(cfg, fed), tail_classes=cfg.tail_classes, n_max=cfg.n_max,
                              seed=cfg.seed, dataset_kw=cfg.dataset_kw(), input_mean=list(fed.prep.mean),
-                             input_std=list(fed.prep.std)))
+                             input_std=list(fed.prep.std), class_names=list(fed.dataset.class_names)))
+
+
+def input_note(spec: RunSpec, in_shape) -> str:
+    """The line a run prints about a pre-trained model's input (how the dataset's images are made its own); ""
+    for other models."""
+    from ..pretrained import is_pretrained, load_for
+
+    return load_for(spec).describe(in_shape) if is_pretrained(spec.model) else ""
 
 
 def lt_profile_of(cfg: RunConfig, fed: Federation) -> str:
@@ -213,7 +221,8 @@ def _run_locked(cfg, pr: Prepared, out: Path, progress, echo, checkpoint_every, 
     sim = Simulation(method, fed, EngineConfig.of(cfg, progress))
     try:
         return run_recorded(sim, cfg, out, config, fed, fed.test_sizes(), echo,
-                            checkpoint_every=checkpoint_every, resume=resume, labels=labels, intro=fed.summary())
+                            checkpoint_every=checkpoint_every, resume=resume, labels=labels,
+                            intro="\n".join(filter(None, (input_note(pr.spec, fed.dataset.in_shape), fed.summary()))))
     finally:
         sim.close()  # worker processes (--workers) end with the run
 
