@@ -224,3 +224,18 @@ def test_flower_refusals_are_read_as_one_line(tls_server):
     cert = supernode_refusal(text, secure, None, "other-ca.crt")
     assert "--root-certificates other-ca.crt does not verify" in cert, cert
     assert supernode_refusal(flower_text("[code: 2008] Failed to get run."), secure, "sn2", "ca.crt") is None
+
+
+def test_register_refusals_are_one_line(tmp_path):
+    """`fedlt flower register`: a file that is no EC public key in OpenSSH format, and a SuperLink that is not there,
+    each one line with exit status 2 (Flower's exit report and its 'address in the connection configuration' --
+    a file fedlt writes itself -- never shown)."""
+    from test_declared_inputs import run_cli
+
+    tls = make_tls(tmp_path / "tls", keys=("sn0",))
+    (tmp_path / "rsa.pub").write_text("ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAAAgQC7 test\n")
+    where = ["--superlink", f"127.0.0.1:{free_port()}", "--root-certificates", str(tls / "ca.crt")]
+    for key, words in (("rsa.pub", "elliptic curve"), ("tls/sn0.pub", "cannot reach the SuperLink")):
+        code, err = run_cli(["flower", "register", str(tmp_path / key), *where], tmp_path)
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert code == 2 and len(lines) == 1 and words in lines[0] and "Exit Code" not in err, err

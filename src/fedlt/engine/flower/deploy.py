@@ -366,5 +366,10 @@ def register_supernode(public_key: str, superlink: str, root_certificates: str, 
     if res.returncode == 0 and reply.get("success"):
         return str(reply["node-id"])
     why = (reply.get("error-message") or "").strip().splitlines()[-1:]  # after "Using SuperLink: ..."
-    why = why[0] if why else " ".join(re.sub(r"[│╭╰─╮╯]", " ", res.stdout + res.stderr).split())[-300:]
-    raise ConfigError(f"the SuperLink at {superlink} did not register {public_key}: {why}")
+    if not why:  # Flower's exit report (a key that is no EC key in OpenSSH format): its lines, in one
+        text = re.sub(r"\x1b\[[0-9;]*m|[│╭╰─╮╯]", " ", res.stdout + res.stderr).splitlines()
+        why = [" ".join(" ".join(x for x in text if "Exit Code:" not in x and "For more information" not in x).split())]
+    if "SuperLink is unavailable" in why[0]:
+        raise ConfigError(f"cannot reach the SuperLink at {superlink}; start it (fedlt flower superlink) or fix "
+                          f"--superlink")
+    raise ConfigError(f"the SuperLink at {superlink} did not register {public_key}: {why[0]}")
