@@ -48,7 +48,7 @@ _FEDS: dict = {}
 
 
 def _prepared(vit, **over):
-    cfg = small_config(model=vit, **{**ONE_ROUND, **over})
+    cfg = small_config(**{**ONE_ROUND, "model": vit, **over})
     key = (cfg.clients, cfg.seed)
     if key not in _FEDS:
         _FEDS[key] = federation_for(cfg)
@@ -141,8 +141,8 @@ def test_head_encodes_each_sample_once(vit):
     """Two rounds of every client: the backbone runs over each training and test sample once (the first round
     and the evaluation), never in the second round."""
     pr, cfg = _prepared(vit, finetune="head", participation=1.0, rounds=2, eval_every=1)
-    net = shared_backbone(pr.fed.stores[0].spec).net
-    assert pr.spec.in_shape == (shared_backbone(pr.fed.stores[0].spec).feature_dim,)
+    net = shared_backbone(pr.spec).net
+    assert pr.spec.in_shape == (shared_backbone(pr.spec).feature_dim,)
     seen: list[int] = []
     hook = net.register_forward_hook(lambda m, i, o: seen.append(len(o)))
     try:
@@ -198,7 +198,7 @@ def test_every_method_runs_or_is_refused_in_one_line(vit, method, mode):
         return
     pr, cfg = _prepared(vit, method=method, finetune=mode, params=params)
     keys = set(pr.method.new_model().state_dict())
-    frozen = {n for n, _ in shared_backbone(pr.fed.stores[0].spec if mode == "head" else pr.spec).net.named_parameters()}
+    frozen = {n for n, _ in shared_backbone(pr.spec).net.named_parameters()}
     assert not {k for k in keys for n in frozen if k.endswith("." + n) and ".adapters." not in k}
     sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
     replies = _replies(sim)
@@ -220,3 +220,19 @@ def test_kill_9_and_resume_with_lora_give_the_uninterrupted_run(vit, tmp_path):
     rows = lambda name: [timeless(json.loads(x))  # noqa: E731
                          for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert rows("killed") == rows("ref") and timeless(out["final"]) == timeless(ref["final"])
+
+
+@pytest.mark.parametrize("mode", ["head", "lora"])
+def test_flower_runs_the_same_and_its_replies_hold_only_what_trains(vit, tmp_path, mode):
+    """Flower's engine (in process): the simulation's weights, and the replies as in the simulation."""
+    pytest.importorskip("flwr")
+    from fedlt.engine.flower.inprocess import run_inprocess
+
+    over = dict(finetune=mode, model=vit, rounds=2, eval_every=2, clients=4, local_epochs=1)
+    pr, cfg = _prepared(vit, **over)
+    sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+    sim.run()
+    st, _, _ = run_inprocess(small_config(out=str(tmp_path), name="fl", **over), echo=lambda s: None)
+    assert set(st.state["weights"]) == set(sim.state.weights) == set(pr.method.new_model().state_dict())
+    for k, v in sim.state.weights.items():
+        assert torch.allclose(v, st.state["weights"][k], atol=1e-6), k

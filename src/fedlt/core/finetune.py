@@ -149,12 +149,25 @@ def _load(spec) -> Frozen:
         return Frozen(pre.net, int(pre.feature_dim), lambda x: pre.preprocess(x, *norm), tuple(pre.lora_targets))
     from ..models import build_model
 
-    module = build_model(spec.model, spec.in_shape, spec.num_classes, seed=spec.seed).backbone
+    module = build_model(spec.model, input_shape(spec), spec.num_classes, seed=spec.seed).backbone
     return Frozen(module.to(spec.device).eval().requires_grad_(False), int(module.feature_dim))
 
 
+def input_shape(spec) -> tuple[int, ...]:
+    """The shape of the samples the frozen backbone reads: the data's (``spec.data["input_shape"]``; under
+    ``head`` ``spec.in_shape`` is the features')."""
+    return tuple(spec.data.get("input_shape") or spec.in_shape)
+
+
+def head_spec(spec):
+    """``spec`` as the models under ``head`` see it: their input is the frozen backbone's features."""
+    import dataclasses
+
+    return dataclasses.replace(spec, in_shape=(shared_backbone(spec).feature_dim,))
+
+
 def _base_key(spec) -> tuple:
-    return (spec.model, tuple(spec.in_shape), spec.num_classes, spec.seed, str(spec.device),
+    return (spec.model, input_shape(spec), spec.num_classes, spec.seed, str(spec.device),
             str(spec.data.get("input_mean")), str(spec.data.get("input_std")))
 
 
@@ -425,17 +438,16 @@ def feature_federation(fed, spec):
     :class:`FeatureStore` s of its training and test stores (``fed`` itself is left as it was)."""
     import copy
 
-    c0 = fed.clients[0]
+    test = fed.test_x if fed.test_x is not None else fed.dataset.x_test
     stores: dict[int, FeatureStore] = {}
-    for t in (c0._x, c0._tx, fed.test_x if fed.test_x is not None else fed.dataset.x_test):
+    for t in ((fed.clients[0]._x, fed.clients[0]._tx) if len(fed.clients) else ()) + (test,):
         if id(t) not in stores:
             stores[id(t)] = FeatureStore(t, fed.prep, spec)
     prep = feature_prep(fed.prep.device)
     out = copy.copy(fed)
     out.__class__ = FeatureFederation
-    out.clients = Clients(FeatureViews(fed.clients, stores, prep), len(fed.clients))
+    out.clients = Clients(FeatureViews(fed.clients, stores, prep), len(fed.clients)) if len(fed.clients) else []
     out.prep = prep
-    test = fed.test_x if fed.test_x is not None else fed.dataset.x_test
     out.test_x = stores[id(test)]
     out.test_y = fed.test_y if fed.test_y is not None else fed.dataset.y_test
     out.feature_dim = shared_backbone(spec).feature_dim

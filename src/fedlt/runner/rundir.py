@@ -21,7 +21,7 @@ import torch
 
 from ..config import RunConfig, name_part
 from ..core.dpsgd import unamplified_words
-from ..core.finetune import GapMeter, feature_federation
+from ..core.finetune import GapMeter, feature_federation, head_spec
 from ..core.method import Method, RunSpec
 from ..core.privacy import SentLog
 from ..core.state import tree_of
@@ -50,13 +50,17 @@ class Prepared:
 
 
 def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
-    """The method's RunSpec: every setting the spec reads (``decl.settings_values``), and what the data says."""
-    return RunSpec(model=cfg.model or fed.dataset.default_model, in_shape=fed.in_shape, num_classes=fed.num_classes,
+    """The method's RunSpec: every setting the spec reads (``decl.settings_values``), and what the data says (of
+    ``fed`` as loaded: under ``--finetune head`` the spec's input is the frozen backbone's features, which
+    :func:`prepare` makes of it)."""
+    spec = RunSpec(model=cfg.model or fed.dataset.default_model, in_shape=fed.in_shape, num_classes=fed.num_classes,
                    cache_dir=os.environ.get("FEDLT_CACHE"), **settings_values(cfg, "spec"),
                    data=dict(dataset=cfg.dataset, data_dir=cfg.data_dir, imbalance_ratio=cfg.imbalance_ratio,
                              lt_profile=lt_profile_of(cfg, fed), tail_classes=cfg.tail_classes, n_max=cfg.n_max,
                              seed=cfg.seed, dataset_kw=cfg.dataset_kw(), input_mean=list(fed.prep.mean),
-                             input_std=list(fed.prep.std), class_names=list(fed.dataset.class_names)))
+                             input_std=list(fed.prep.std), class_names=list(fed.dataset.class_names),
+                             input_shape=list(fed.in_shape)))
+    return head_spec(spec) if spec.finetune == "head" else spec  # its models' input: the backbone's features
 
 
 def input_note(spec: RunSpec, in_shape) -> str:
@@ -95,9 +99,9 @@ def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
         torch.set_num_threads(cfg.threads)
     set_determinism(cfg.deterministic)
     fed = fed or federation_for(cfg)
-    if cfg.finetune == "head":  # the samples as the frozen backbone's features, each client's encoded once
-        fed = feature_federation(fed, make_spec(cfg, fed))
     spec = make_spec(cfg, fed)
+    if cfg.finetune == "head":  # the samples as the frozen backbone's features, each client's encoded once
+        fed = feature_federation(fed, spec)
     cls = method_class(cfg)
     method = cls(spec, cls.make_params(cfg.params, cfg.allow_large))
     if cfg.dp == "sample":  # DP-SGD cannot bound a sample's influence through BatchNorm: one line (core.dpsgd)

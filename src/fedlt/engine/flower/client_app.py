@@ -77,6 +77,7 @@ from ...config import RunConfig
 from ...core.dp import STATS_CLIP, class_means, client_reply, phase_reply
 from ...core.privacy import engine_match
 from ...core.dpsgd import SampleDP, reads_counts, riders
+from ...core.finetune import feature_federation
 from ...core.method import Message, Method, RunSpec
 from ...core.noise import noise_seed
 from ...core.spec import milestones_text
@@ -163,7 +164,11 @@ def _partition_client(job: Job, pid: int, device: str) -> ClientData:
     cfg = job.cfg
     if not 0 <= pid < cfg.clients:
         raise ConfigError(f"partition-id {pid} is outside the run's {cfg.clients} clients; use 0..{cfg.clients - 1}")
-    return partition_federation(cfg, device).clients[pid]
+    fed = partition_federation(cfg, device)
+    if job.spec.finetune == "head":  # the samples as the frozen backbone's features, encoded once (core.finetune)
+        key = f"{id(fed)} features"
+        fed = _FEDS[key] = _FEDS.get(key) or feature_federation(fed, job.spec)
+    return fed.clients[pid]
 
 
 def load_client_dir(path: str, cid: int, spec: RunSpec, prep: Prep) -> ClientData:

@@ -39,6 +39,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from ...config import RunConfig
+from ...core.finetune import feature_federation
 from ...core.method import Message, Method
 from ...core.noise import noise_seed
 from ...core.privacy import engine_record
@@ -77,6 +78,8 @@ class FedltStrategy(Strategy):
         self.fed = Federation(ds, [], np.zeros(ds.num_classes, np.int64), np.zeros((0, ds.num_classes), np.int64),
                               self.prep, {})
         self.spec = make_spec(cfg, self.fed)
+        if self.spec.finetune == "head":  # the server's test set as the frozen backbone's features (core.finetune)
+            self.fed = feature_federation(self.fed, self.spec)
         cls = method_class(cfg)
         if getattr(cls, "needs_pool", False):
             raise ConfigError(f"method {cfg.method} trains on all clients' data pooled in one place, which a "
