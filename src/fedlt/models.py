@@ -34,6 +34,7 @@ __all__ = [
     "MobileNet",
     "build_model",
     "make_head",
+    "head_for",
     "model_options",
     "FixedLinear",
     "module_param_names",
@@ -530,6 +531,13 @@ def model_options(spec) -> dict:
     return dict(input_norm=(data.get("input_mean"), data.get("input_std")),
                 input_size=getattr(spec, "pretrained_size", None), head=getattr(spec, "head", "linear"),
                 head_fixed=bool(getattr(spec, "head_fixed", False)), class_names=tuple(data.get("class_names") or ()))
+
+
+def head_for(spec, feature_dim: int) -> nn.Module:
+    """The head of a run's model on features of width ``feature_dim``: :func:`make_head` with the spec's
+    ``--head``, ``--head-fixed``, model and class names (every fine-tuning mode's head is made here)."""
+    o = model_options(spec)
+    return make_head(feature_dim, spec.num_classes, o["head"], o["head_fixed"], spec.model, o["class_names"])
 
 
 def build_model(

@@ -24,14 +24,16 @@ The interface (stable; what fine-tuning modes, LoRA and the CLIP text head build
     pre.describe(in_shape)   # the one line a run prints: how its images become the model's input
 
     is_pretrained(name)    # whether a --model name is one of these (hf:..., efficientnet-lite0)
-    load_for(spec)         # a run's: load(spec.model, size=spec.pretrained_size, device=spec.device)
+    load_for(spec)         # a run's: load(spec.model, size=spec.pretrained_size, device=spec.device) -- what
+                           # every fine-tuning mode loads (--pretrained-size changes the net's input size)
     clip_text_head(name, class_names)   # CLIP's normalised text embeddings of "a photo of a {class}" [C, D]
 
 ``load`` is cached per process and per name: every client, method and worker of a process shares one ``net``.
 
 Settings (declared here, once; the run's spec includes each: :class:`PretrainedSettings`): ``--pretrained-size S``
 (feed S x S images instead of the model's own size), ``--head linear | clip-text`` and ``--head-fixed``. The head
-of a model is made by ``fedlt.models.make_head`` (``build_model`` and every fine-tuning mode use it).
+of a run's model is ``fedlt.models.head_for(spec, feature_dim)`` (``build_model`` and every fine-tuning mode make
+it so: ``make_head`` with the spec's settings and the dataset's class names, ``spec.data["class_names"]``).
 
 **The CLIP text head** (``--head clip-text``, with ``--model hf:<a CLIP model>``; how CLIP2FL, CAPT and zero-shot
 CLIP start): the classifier's rows are CLIP's text embeddings of ``"a photo of a {class}"`` for the dataset's
