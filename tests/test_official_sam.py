@@ -282,3 +282,19 @@ def test_fedwmsam_sends_each_client_its_own_momentum_and_only_the_model_comes_ba
     assert not torch.allclose(down[0], down[1])  # Delta + alpha/(1-alpha) (c - c_k): per client
     assert torch.allclose(down[2], flat(state.momentum, m.param_keys) + flat(state.c, m.param_keys) * state.alpha
                           / (1 - state.alpha), atol=1e-7)  # c_2 = 0
+
+
+def test_dp_and_secagg_are_refused_for_their_named_reasons():
+    """--dp sample: SAM's ascent reads the batch's unclipped mean gradient (FedSAM, MoFedSAM); FedWMSAM's loop of its
+    own. --dp client: FedSAM's uniform mean is the noised mean; MoFedSAM needs step counts, FedWMSAM each update.
+    --secagg: none (a uniform mean, or each update)."""
+    from fedlt.core import secagg
+    from fedlt.core.dp import verdict
+
+    sam, mo, wm = (METHODS.get(n) for n in ("fedsam", "mofedsam", "fedwmsam"))
+    assert "ascent" in verdict(sam, "sample") and "ascent" in verdict(mo, "sample")
+    assert verdict(wm, "sample").startswith("no, its perturbation reads how many steps")
+    assert verdict(sam, "client").startswith("yes")
+    assert "step counts" in verdict(mo, "client") and "each client's own update" in verdict(wm, "client")
+    assert not any(secagg.runs_under(c) for c in (sam, mo, wm))
+    assert "uniform mean" in secagg.why_not(sam) and "each client's own update" in secagg.why_not(wm)
