@@ -144,7 +144,7 @@ def _load(spec) -> Frozen:
 
     LOADS["count"] += 1
     if pretrained.is_pretrained(spec.model):
-        pre = pretrained.load(spec.model, device=spec.device)
+        pre = pretrained.load_for(spec)
         norm = (tuple(spec.data.get("input_mean") or (0.0,)), tuple(spec.data.get("input_std") or (1.0,)))
         return Frozen(pre.net, int(pre.feature_dim), lambda x: pre.preprocess(x, *norm), tuple(pre.lora_targets))
     from ..models import build_model
@@ -168,7 +168,7 @@ def head_spec(spec):
 
 def _base_key(spec) -> tuple:
     return (spec.model, input_shape(spec), spec.num_classes, spec.seed, str(spec.device),
-            str(spec.data.get("input_mean")), str(spec.data.get("input_std")))
+            getattr(spec, "pretrained_size", None), str(spec.data.get("input_mean")), str(spec.data.get("input_std")))
 
 
 def shared_backbone(spec) -> Frozen:
@@ -328,10 +328,10 @@ def _put(root: nn.Module, dotted: str, value, buffer: bool = False, module: bool
 
 
 def build_finetune_model(spec):
-    """The model of ``spec`` under ``head`` or ``lora`` (:class:`fedlt.models.Model`): a linear head seeded from
-    the run's seed, on :class:`Features` (``head``: ``spec.in_shape`` is the features' width) or on a
-    :class:`LoraBackbone`."""
-    from ..models import Model
+    """The model of ``spec`` under ``head`` or ``lora`` (:class:`fedlt.models.Model`): the run's head
+    (``fedlt.models.head_for``: ``--head``, ``--head-fixed``) seeded from the run's seed, on :class:`Features`
+    (``head``: ``spec.in_shape`` is the features' width) or on a :class:`LoraBackbone`."""
+    from ..models import Model, head_for
 
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(int(spec.seed))
@@ -339,7 +339,7 @@ def build_finetune_model(spec):
             backbone: nn.Module = Features(spec.in_shape[0])
         else:
             backbone = LoraBackbone(spec)
-        head = nn.Linear(backbone.feature_dim, int(spec.num_classes))
+        head = head_for(spec, backbone.feature_dim)
     return Model(backbone, head, backbone.feature_dim, spec.num_classes).to(spec.device)
 
 
@@ -407,8 +407,9 @@ def feature_prep(device):
 
 
 class FeatureViews:
-    """A federation's clients with their samples as features: each client's training rows encoded when the
-    client is first made (once per client: its rows are never encoded again), test rows when first asked for."""
+    """A federation's clients with their samples as features (:class:`FeatureStore`): a sample is encoded the
+    first time a batch holds it -- a client's training samples in its first epoch, its test samples when it is
+    first evaluated -- and never again."""
 
     def __init__(self, clients, stores: dict[int, FeatureStore], prep):
         self.clients, self.stores, self.prep = clients, stores, prep
@@ -418,8 +419,6 @@ class FeatureViews:
 
         c = copy.copy(self.clients[k])
         c._x, c._tx, c.prep = self.stores[id(c._x)], self.stores[id(c._tx)], self.prep
-        if c.rows is not None:
-            c._x.ensure(c.rows)
         return c
 
 

@@ -26,6 +26,10 @@ weight decay 1e-5, starting from the trained classifier). That code computes eac
 ``biased_local_cov=true`` reproduces it. Sampling: mu + Q diag(sqrt(max(lambda, 0))) eps from the
 eigendecomposition of Sigma_c (exact for a positive semi-definite Sigma; the reimplementation adds 1e-6 I and
 calls numpy's multivariate_normal).
+
+Under ``--finetune head`` / ``lora`` (docs/finetune.md): the rounds train the head (head) or the LoRA adapters and
+the head (lora); the clients' feature means and covariances are of the frozen pre-trained backbone (head) or
+the adapted one (lora), and the server calibrates the head on features sampled from them, as in full.
 """
 from __future__ import annotations
 

@@ -44,6 +44,10 @@ fbec98f) vs. here:
   official behaviour is followed.
 Defaults (official options.py): ipc 100, match_epochs 100, crt_epochs 300, lr_feature 0.1, lr_net 0.01,
 batch_real 32, 10 repeats.
+
+Under ``--finetune head`` / ``lora`` (docs/finetune.md): the clients train the head (head) or the LoRA adapters and
+the head (lora) with CE; the federated features are matched to the gradients of that head on the pre-trained
+(head) or adapted (lora) features, and the server re-trains its classifier (``crt``) on them, as in full.
 """
 from __future__ import annotations
 

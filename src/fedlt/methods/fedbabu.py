@@ -19,6 +19,10 @@ number of participants); the paper aggregates as FedAvg does, weighted by n_k --
 epochs, FL-bench at least one. The small lr matters: the body has learnt large features to suit the small
 random head, so a step at the training lr (0.05 here) moves the head far; on fmnist-lt, fine-tuning at 0.05
 dropped PM from 90.3 (global model) to 69.3, with some clients near 35 %.
+
+Under ``--finetune head`` / ``lora`` (docs/finetune.md): refused under head (the body trains under a head fixed in
+the rounds; with the backbone frozen nothing would train). Under lora the rounds train the LoRA adapters only
+(the random head stays fixed), and the fine-tuning phase trains each client's adapters and head.
 """
 from __future__ import annotations
 

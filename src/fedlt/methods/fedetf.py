@@ -26,6 +26,10 @@ Paper vs. official code (official repository ZexiLee/ICCV-2023-FedETF):
   penalised); ``absent_count`` = 1 reproduces it (0 would mask the class instead).
 - In step 2 the code leaves the frozen backbone in train mode (BatchNorm statistics still move); here the
   frozen backbone runs in eval mode, and without data augmentation its features are computed once.
+
+Under ``--finetune head`` / ``lora`` (docs/finetune.md): the ETF classifier M stays fixed in every mode; its projection
+layer (``backbone.proj``, on the pre-trained features) and beta train under head, with the LoRA adapters
+under lora; the personalization alternations fine-tune the same entries per client.
 """
 from __future__ import annotations
 

@@ -74,6 +74,11 @@ kaiming_uniform; ``beta`` (sparsity; None = the kind's default: 0.6 for sse-c, 0
 (auto: run the SSE-C geometry optimisation when sparse, i.e. Table 9's "Sparse X"); ``ga_fr`` / ``la_fr`` on/off.
 Since GA-FR and LA-FR (without fine-tuning) do not change training, one run gives every Table 3 row of its
 fixed classifier: GM universal vs generic is "GA-FR off/on", PM phi+psi vs personalized is "LA-FR off/on".
+
+Under ``--finetune head`` / ``lora`` (docs/finetune.md): theta is the frozen pre-trained backbone (head) or its LoRA
+adapters (lora). Under head nothing trains through the SSE-C (its "universal" GM is the fixed SSE-C on the
+pre-trained features); psi (the state's ``head``) and each phi_k train on the features as always, and GA-FR and
+LA-FR realign them. Under lora the adapters train through the frozen SSE-C, as theta does in full.
 """
 from __future__ import annotations
 

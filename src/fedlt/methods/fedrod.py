@@ -23,6 +23,9 @@ momentum (PFLlib and the FedETF repository use no momentum for it; the paper doe
 Under ``--dp sample`` (not in the paper, which has no DP): pi_k comes from the client's class counts noised once
 (``--dp-counts-noise``, :mod:`fedlt.core.dpsgd`), since the true counts would let one sample move every other
 sample's gradient; the release is counted in the client's accountant.
+
+Under ``--finetune head`` / ``lora`` (docs/finetune.md): the generic head (BSM) trains on the pre-trained features
+(head) or with the LoRA adapters (lora); each client's personal head trains on the same features as in full.
 """
 from __future__ import annotations
 

@@ -44,6 +44,9 @@ commit 1f0c493):
   here prototypes use un-augmented data and the balanced set the dataset's training augmentation.
 - Whether W^ is averaged: the run script passes --aggregate_ba (averaged), as the paper's Eq. 14; done here.
 Defaults: lambda = 0.1 and T = 8 (paper Sec. 4.1 for MNIST-LT and CIFAR-10-LT; T = 2 for CIFAR-100-LT).
+
+Under ``--finetune head`` / ``lora`` (docs/finetune.md): the head and the supplementary head (``sup``) train on the
+pre-trained features (head), with the LoRA adapters (lora); the gradient prototypes are of those heads as in full.
 """
 from __future__ import annotations
 
