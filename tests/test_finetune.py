@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +137,11 @@ def test_a_run_records_the_gap_each_round(vit, tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     gaps = [r["lora_gap"] for r in recs if "round" in r]
     assert len(gaps) == 2 and all(g > 0 for g in gaps)
+    sent = [json.loads(x) for x in (tmp_path / "r" / "sent.jsonl").read_text().splitlines()]
+    for rnd in (1, 2):  # the adapters' part of the model's row: 2 layers' A and B, r (in + out) floats each
+        model, part = [r for r in sent if r["round"] == rnd and r["sent"] == "<model>"]
+        assert part["part"] == "LoRA adapters" and part["arrays"] == 4 and part["clients"] == model["clients"]
+        assert part["bytes"] == 4 * model["clients"] * 2 * cfg.lora_rank * 2 * WIDTH < model["bytes"]
 
 
 def test_head_encodes_each_sample_once(vit):
@@ -236,3 +243,14 @@ def test_flower_runs_the_same_and_its_replies_hold_only_what_trains(vit, tmp_pat
     assert set(st.state["weights"]) == set(sim.state.weights) == set(pr.method.new_model().state_dict())
     for k, v in sim.state.weights.items():
         assert torch.allclose(v, st.state["weights"][k], atol=1e-6), k
+
+
+def test_the_page_lists_every_refusal_the_methods_declare():
+    """docs/finetune.md's table of refused methods is what the methods declare (finetune_needs)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "finetune.md").read_text()
+    table = text.split("| method | refused under | why |")[1].split("\n\n")[0].splitlines()[2:]
+    shown = {m: set(re.findall(r"`([^`]+)`", row.split("|")[2]))
+             for row in table for m in re.findall(r"`([^`]+)`", row.split("|")[1])}
+    declared = {m: {mode for mode in ("head", "lora") if finetune.finetune_refusal(METHODS.get(m), mode)}
+                for m in METHODS.names()}
+    assert shown == {m: modes for m, modes in declared.items() if modes}

@@ -505,6 +505,21 @@ def base_adapters(spec) -> dict[str, torch.Tensor]:
     return {n: p for n, p in base.named_parameters() if "lora_" in n}
 
 
+def adapter_rows(index: int, replies) -> list[dict]:
+    """``sent.jsonl``'s breakdown of a ``lora`` round's model rows: the LoRA adapters' part of what the clients sent
+    (``part``: these bytes are within the round's ``<model>`` row, not beside it), as ``fedlt.core.privacy``'s rows
+    count arrays and bytes."""
+    from .privacy import MODEL
+
+    got = [{k: v for k, v in r.arrays.items() if _AB.match(k)} for _, r in replies]
+    got = [a for a in got if a]
+    if not got:
+        return []
+    return [{"round": index, "sent": MODEL, "part": "LoRA adapters", "category": "model",
+             "arrays": max(len(a) for a in got), "bytes": sum(t.numel() * t.element_size() for a in got
+                                                               for t in a.values()), "clients": len(got)}]
+
+
 class GapMeter:
     """A run's ``lora_gap`` (:func:`lora_gap`) of each training round's replies: :meth:`replies` measures it (the
     driver's ``on_replies`` hook, for a training round), :meth:`record` puts it in the round's record

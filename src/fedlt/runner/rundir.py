@@ -21,7 +21,7 @@ import torch
 
 from ..config import RunConfig, name_part
 from ..core.dpsgd import unamplified_words
-from ..core.finetune import GapMeter, feature_federation, head_spec
+from ..core.finetune import GapMeter, adapter_rows, feature_federation, head_spec
 from ..core.method import Method, RunSpec
 from ..core.privacy import SentLog
 from ..core.state import tree_of
@@ -285,6 +285,8 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
     if driver.method.spec.finetune == "lora":  # LoRA's aggregation gap, each round (core.finetune)
         gap = GapMeter(driver.method.spec)
         driver.on_replies.append(lambda kind, index, replies: gap.replies(replies) if kind == TRAINING else None)
+        driver.on_replies.append(lambda kind, index, replies: sent.write(adapter_rows(index, replies))
+                                 if kind == TRAINING else None)  # the adapters' part of what was sent
         driver.after_train.append(gap.record)
     if (record_to := getattr(driver.transport, "record_to", None)) is not None:  # an engine's own items (Flower's)
         record_to(sent)
