@@ -254,3 +254,37 @@ def test_the_page_lists_every_refusal_the_methods_declare():
     declared = {m: {mode for mode in ("head", "lora") if finetune.finetune_refusal(METHODS.get(m), mode)}
                 for m in METHODS.names()}
     assert shown == {m: modes for m, modes in declared.items() if modes}
+
+
+@pytest.mark.parametrize("mode", ["head", "lora"])
+def test_worker_processes_share_the_backbone_and_give_the_same_run(vit, tmp_path, mode):
+    """--workers 2 (forked: the frozen backbone shared copy-on-write) ends with the weights of one process."""
+    over = dict(finetune=mode, model=vit, rounds=2, eval_every=2, clients=4, local_epochs=1, threads=1,
+                out=str(tmp_path), lora_dropout=0.1 if mode == "lora" else 0.0)
+    states = []
+    for workers in ("off", "2"):
+        cfg = small_config(name=f"w{workers}", workers=workers, **over)
+        rundir.run(cfg, progress=False, echo=lambda *a: None)
+        from safetensors.torch import load_file
+
+        states.append(load_file(str(tmp_path / f"w{workers}" / "final_state.safetensors")))
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+@pytest.mark.parametrize("privacy", [dict(dp="client", dp_clip=1.0, dp_noise=0.5),
+                                     dict(dp="sample", dp_clip=1.0, dp_noise=0.5), dict(secagg=True)],
+                         ids=["dp-client", "dp-sample", "secagg"])
+@pytest.mark.parametrize("mode", ["head", "lora"])
+def test_dp_and_secagg_cover_exactly_what_trains(vit, mode, privacy):
+    """Under --dp client, --dp sample (DP-SGD on the trainable parameters) and --secagg the replies hold the
+    trainable entries only, and the round trains them (the server's state moves)."""
+    pr, cfg = _prepared(vit, finetune=mode, participation=1.0, **privacy)
+    keys = set(pr.method.new_model().state_dict())
+    sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+    before = {k: v.clone() for k, v in sim.state.weights.items()}
+    replies = _replies(sim)
+    sim.train_round()
+    assert replies and all(set(r.arrays) <= keys for _, r in replies)
+    assert set(sim.state.weights) == keys
+    assert any(not torch.equal(before[k], sim.state.weights[k]) for k in keys)
