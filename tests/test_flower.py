@@ -477,3 +477,46 @@ def test_app_directories_written_before_the_engines_moved_still_find_their_apps(
         old = importlib.import_module(f"fedlt.flower.{part}")
         new = importlib.import_module(f"fedlt.engine.flower.{part}")
         assert old.app is new.app
+
+
+def test_fedlts_cpu_sgd_is_torchs_bit_for_bit():
+    """core.training.SGD (what make_optimizer gives on the CPU, so that a SuperNode's process, started per message,
+    does not import torch._dynamo for it) steps as torch.optim.SGD does: the same weights and momentum buffers bit
+    for bit, with momentum, weight decay and parameter groups, and a torch SGD's state dict loads into it."""
+    from fedlt.core.training import SGD
+
+    torch.manual_seed(0)
+    w = [torch.randn(30, 10), torch.randn(10)]
+    ours, theirs = ([t.clone().requires_grad_(True) for t in w] for _ in range(2))
+
+    def groups(ps):
+        return [{"params": [ps[0]], "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4},
+                {"params": [ps[1]], "lr": 0.05, "momentum": 0.5, "weight_decay": 0.0}]
+
+    a, b = SGD(groups(ours), lr=0.1), torch.optim.SGD(groups(theirs), lr=0.1)
+    for step in range(6):
+        x = torch.randn(8, 30)
+        for ps, opt in ((ours, a), (theirs, b)):
+            opt.zero_grad(set_to_none=True)
+            ((x @ ps[0] + ps[1]).tanh().square().mean()).backward()
+            opt.step()
+        if step == 2:  # a torch SGD's state carried into ours (a method that keeps its optimiser's state)
+            a.load_state_dict(b.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    assert all(torch.equal(a.state[p]["momentum_buffer"], b.state[q]["momentum_buffer"]) for p, q in zip(ours, theirs))
+
+
+def test_a_flower_clients_training_imports_no_torch_dynamo():
+    """A Flower client's training and evaluation (in process, with the server) run without torch._dynamo, which
+    torch.optim.SGD's construction imports (about 1 s for each SuperNode process, started per message)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'tests'); from conftest import small_config; import tempfile\n"
+            "from fedlt.engine.flower.inprocess import run_inprocess\n"
+            "with tempfile.TemporaryDirectory() as d:\n"
+            "    run_inprocess(small_config(method='fedavg', out=d, name='x', rounds=2), echo=lambda *a: None)\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "False"

@@ -1,6 +1,7 @@
 """The local training loop and optimiser construction shared by the methods."""
 from __future__ import annotations
 
+import collections
 from typing import Callable, Iterable
 
 import torch
@@ -11,23 +12,97 @@ from .spec import RunSpec
 
 
 def make_optimizer(params: Iterable, spec: RunSpec, lr: float | None = None, momentum: float | None = None,
-                   weight_decay: float | None = None) -> torch.optim.Optimizer:
+                   weight_decay: float | None = None) -> "torch.optim.Optimizer | SGD":
     """SGD with the run's learning rate, momentum and weight decay (re-created every round, like the papers'
     code: no optimiser state survives between rounds unless a method keeps it); ``lr`` the round's (a client's
     ``payload.lr``), else ``spec.lr``. ``params``: parameters (those that require a gradient are taken) or
-    parameter-group dicts. Under fp16 on CUDA the fused implementation, which skips a step with non-finite
-    gradients without waiting for the device."""
+    parameter-group dicts. On the CPU :class:`SGD` (torch's algorithm there, without the cost of its import);
+    elsewhere ``torch.optim.SGD``, under fp16 on CUDA its fused implementation, which skips a step with
+    non-finite gradients without waiting for the device."""
     params = list(params)
     if not params or not isinstance(params[0], dict):
         params = [p for p in params if p.requires_grad]
+    hyper = dict(lr=spec.lr if lr is None else lr, momentum=spec.momentum if momentum is None else momentum,
+                 weight_decay=spec.weight_decay if weight_decay is None else weight_decay)
+    tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+    if spec.precision != "fp16" and all(p.device.type == "cpu" for p in tensors):
+        return SGD(params, **hyper)
     fused = True if spec.precision == "fp16" and torch.device(spec.device).type == "cuda" else None
-    return torch.optim.SGD(
-        params,
-        lr=spec.lr if lr is None else lr,
-        momentum=spec.momentum if momentum is None else momentum,
-        weight_decay=spec.weight_decay if weight_decay is None else weight_decay,
-        fused=fused,
-    )
+    return torch.optim.SGD(params, **hyper, fused=fused)
+
+
+class SGD:
+    """``torch.optim.SGD`` on CPU tensors: the loop torch runs there (``torch.optim.sgd._single_tensor_sgd``: no
+    foreach or fused kernels on the CPU), the same operations in the same order, so the same bits; its
+    ``param_groups``, ``state`` (``momentum_buffer``), ``defaults``, ``zero_grad``, ``step``, ``state_dict`` and
+    ``load_state_dict`` as torch has them (opacus's ``DPOptimizer`` wraps it as it wraps torch's). Why: constructing
+    ``torch.optim.SGD`` imports ``torch._dynamo`` (its methods are wrapped in ``torch._disable_dynamo``), about 1 s
+    per process, and a Flower SuperNode starts a process for each message, whose SGD steps take hundredths of that."""
+
+    def __init__(self, params: Iterable, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+        self.defaults = {"lr": lr, "momentum": momentum, "dampening": 0.0, "weight_decay": weight_decay,
+                         "nesterov": False, "maximize": False}
+        params = list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        self.param_groups = [{**self.defaults, **g, "params": list(g["params"])} for g in groups]
+        self.state: dict = collections.defaultdict(dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("fedlt's SGD takes no closure")
+        for g in self.param_groups:
+            lr, momentum, dampening = float(g["lr"]), g["momentum"], g["dampening"]
+            weight_decay, nesterov, maximize = g["weight_decay"], g["nesterov"], g["maximize"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad if not maximize else -p.grad
+                if weight_decay != 0:
+                    grad = grad.add(p, alpha=weight_decay)
+                if momentum != 0:
+                    buf = self.state[p].get("momentum_buffer")
+                    if buf is None:
+                        buf = self.state[p]["momentum_buffer"] = grad.detach().clone()
+                    else:
+                        buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+                    grad = grad.add(buf, alpha=momentum) if nesterov else buf
+                p.add_(grad, alpha=-lr)
+
+    def state_dict(self) -> dict:
+        """As ``torch.optim.Optimizer.state_dict``: parameters by their index over the groups."""
+        index: dict[int, int] = {}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [index.setdefault(id(p), len(index)) for p in g["params"]]} for g in self.param_groups]
+        return {"state": {index[id(p)]: dict(s) for p, s in self.state.items() if id(p) in index},
+                "param_groups": groups}
+
+    def load_state_dict(self, d: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict`` (a torch SGD's state dict too): the groups' settings and a copy
+        of each parameter's momentum buffer, cast to the parameter's dtype and device."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        for g, saved in zip(self.param_groups, d["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        by_index = {i: p for i, p in enumerate(params)}
+        self.state = collections.defaultdict(dict)
+        for i, s in d["state"].items():
+            p = by_index[int(i)]
+            self.state[p] = {k: (v.to(dtype=p.dtype, device=p.device, copy=True) if torch.is_tensor(v) and
+                                 p.is_floating_point() else v) for k, v in s.items()}
 
 
 def set_momentum(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
