@@ -479,6 +479,61 @@ def test_app_directories_written_before_the_engines_moved_still_find_their_apps(
         assert old.app is new.app
 
 
+# ------------------------------------------------------------------------------------------- exchanges per round
+def test_a_rounds_evaluation_rides_in_the_next_rounds_training_messages(tmp_path):
+    """FedAvg (PM with the global model) evaluated every round: round r's PM goes with round r+1's training message
+    (``train.evaluate``), so a round costs one exchange and only the last round's evaluation has its own, and the run
+    records what the simulation does; a personalized method (Ditto: PM reads the client state) keeps its own
+    evaluation exchange every round."""
+    import json
+
+    over = dict(rounds=3, eval_every=1, participation=1.0)
+    sim, final = run_small("fedavg", {}, **over)
+    cfg = small_config(method="fedavg", out=str(tmp_path), name="fl", **over)
+    st, grid, summary = run_inprocess(cfg, **QUIET)
+    kinds = [m.metadata.message_type for m in grid.delivered]
+    K = cfg.clients
+    assert kinds.count("train.evaluate") == 2 * K and kinds.count("train") == K and kinds.count("evaluate") == K
+    for h_sim, h_fl in zip(sim.history, st.history, strict=True):
+        assert h_sim["round"] == h_fl["round"]
+        _same_evaluation(h_sim["eval"], h_fl["eval"], sim.fed)
+    _same_evaluation(final, summary["final"], sim.fed)
+    rounds = [json.loads(x)["round"] for x in (tmp_path / "fl" / "metrics.jsonl").read_text().splitlines()
+              if '"round"' in x]
+    assert rounds == [1, 2, 3]
+    cfg = small_config(method="ditto", params=method_test_params("ditto"), out=str(tmp_path), name="ditto",
+                       rounds=2, eval_every=1, participation=1.0)
+    _, grid, _ = run_inprocess(cfg, **QUIET)
+    kinds = [m.metadata.message_type for m in grid.delivered]
+    assert "train.evaluate" not in kinds and kinds.count("evaluate") >= 2 * cfg.clients
+
+
+def test_a_run_stopped_while_a_rounds_evaluation_rides_resumes_to_the_same_metrics(tmp_path):
+    """The checkpoint of a round whose PM rides in the next round's messages keeps that round's record without
+    PM; a run stopped before the next round resumes, sends that PM with it and ends as an uninterrupted run."""
+    import json
+
+    over = dict(rounds=3, eval_every=1, participation=1.0)
+    run_inprocess(small_config(method="fedavg", out=str(tmp_path), name="whole", **over), **QUIET)
+
+    def stop_at_round_3(msg, node):
+        if msg.metadata.message_type.startswith("train") and msg.metadata.group_id == "3":
+            raise KeyboardInterrupt  # the process stops after round 2's checkpoint
+        return None
+
+    cfg = small_config(method="fedavg", out=str(tmp_path), name="cut", **over)
+    with pytest.raises(KeyboardInterrupt):
+        run_inprocess(cfg, fault=stop_at_round_3, **QUIET)
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["round"] for x in lines] == [1]  # round 2 waits for its PM
+    _, _, summary = run_inprocess(cfg, resume=True, **QUIET)
+    assert summary["resumed_after_round"] == 2
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("round_time", "eval_time")}  # noqa: E731
+    got, want = ([strip({**r, "eval": strip(r["eval"])}) for r in map(json.loads, (tmp_path / n / "metrics.jsonl")
+                  .read_text().splitlines()) if "round" in r] for n in ("cut", "whole"))
+    assert got == want
+
+
 def test_fedlts_cpu_sgd_is_torchs_bit_for_bit():
     """core.training.SGD (what make_optimizer gives on the CPU, so that a SuperNode's process, started per message,
     does not import torch._dynamo for it) steps as torch.optim.SGD does: the same weights and momentum buffers bit

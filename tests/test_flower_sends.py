@@ -3,8 +3,8 @@ client sends (describe, train, phase, evaluate) is captured as it crosses the gr
 the method's message (every array and meta value matched to the method's ``sends``) or the engine's ``fedlt``
 record (every field matched to the Flower engine's items as ``fedlt list`` prints them, for the reply's message, the
 run's ``--dp`` mode and whether the SuperNode holds its own data); every item declared for what ran was sent, in its
-form; and ``sent.jsonl`` records the engine's items with the categories declared. FedAvg, CReFF (class gradients),
-FedLoGe (post-training phases), each with SuperNodes of both kinds (their own data, a client of the partition), and
+form; and ``sent.jsonl`` records the engine's items with the categories declared. FedAvg (two rounds: its first
+evaluation rides in a ``train.evaluate`` message), CReFF (class gradients), FedLoGe (post-training phases), each with SuperNodes of both kinds (their own data, a client of the partition), and
 FedAvg's ``--dp client`` and ``--dp sample`` forms."""
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from conftest import _FEDS, method_test_params, small_config  # noqa: E402
 from fedlt.core.privacy import UNDECLARED, classify, engine_match  # noqa: E402
 from fedlt.engine.flower.inprocess import run_inprocess  # noqa: E402
 from fedlt.engine.flower.records import control, from_records  # noqa: E402
-from fedlt.engine.flower.sends import DESCRIBE, ENGINE, EVALUATE, PHASE, SENDS, TITLE, TRAIN, fields_of  # noqa: E402
+from fedlt.engine.flower.sends import (DESCRIBE, ENGINE, EVALUATE, PHASE, SENDS, TITLE, TRAIN,  # noqa: E402
+                                       TRAIN_EVALUATE, fields_of)
 from fedlt.runner.rundir import federation_for  # noqa: E402
 
 QUIET = dict(echo=lambda *a: None)
@@ -104,7 +105,7 @@ def _captured(method: str, tmp_path, capsys, **over):
         if message in (DESCRIBE, EVALUATE):
             assert not fm.arrays and not fm.meta and not fm.config, (message, fm)
         else:
-            ex = "rounds" if message == TRAIN else str(control(asked[m.metadata.reply_to_message_id].content)["phase"])
+            ex = "rounds" if message in (TRAIN, TRAIN_EVALUATE) else str(control(asked[m.metadata.reply_to_message_id].content)["phase"])
             got = classify(st.method, ex, fm)
             assert not [r for r in got if r["category"] == UNDECLARED], (message, got)
             for r in got:  # the engine's own meta values riding in the method's message (fedlt list: "meta: NAME")
@@ -144,7 +145,9 @@ def _captured(method: str, tmp_path, capsys, **over):
 
 @pytest.mark.parametrize("method", ["fedavg", "creff", "fedloge"])
 def test_every_reply_of_a_flower_client_is_what_fedlt_list_declares(tmp_path, capsys, method):
-    seen, kinds, st = _captured(method, tmp_path, capsys)
+    # FedAvg over two rounds: round 1's evaluation rides in round 2's training message (train.evaluate)
+    seen, kinds, st = _captured(method, tmp_path, capsys, **({"rounds": 2} if method == "fedavg" else {}))
+    assert (TRAIN_EVALUATE in kinds) == (method == "fedavg")
     assert {DESCRIBE, TRAIN, EVALUATE} <= kinds and (PHASE in kinds) == bool(st.method.phases)
     # the own-data SuperNodes' describe form without --dp: counts and both sizes; the group accuracies go back
     assert {(DESCRIBE, "counts"), (DESCRIBE, "test-size"), (DESCRIBE, "num-examples"),

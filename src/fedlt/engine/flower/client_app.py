@@ -18,6 +18,9 @@ message type            what the client does
                         reply clipped here, under ``--dp sample`` trained by DP-SGD here (below)
 ``train.phase``         ``method.phase_client(name, payload, cstate, data, gen)`` (a post-training
                         phase, e.g. a realignment or fine-tuning, one message per phase)
+``train.evaluate``      ``evaluate`` of the previous round's model, then ``train`` (the evaluation rides
+                        in the next round's training message where the server allows it:
+                        ``GridTransport.ride``); one reply holds both
 ``evaluate``            personalized evaluation on its own test set:
                         ``method.personal_model(eval_payload, cstate, data)`` -> accuracy and group
                         accuracies (what PM aggregates; :mod:`fedlt.engine.flower.sends`)
@@ -62,6 +65,7 @@ training a fresh state.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, fields
@@ -297,12 +301,29 @@ def describe(msg: FlwrMessage, context: Context) -> FlwrMessage:
 @app.train(mods=[secagg_mod])  # a SecAgg+ round's messages through Flower's secaggplus_mod (--secagg)
 def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
+    return _trained(node, msg, context, node.client_state(context))
+
+
+@app.train("evaluate")
+def train_evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
+    """A round's training whose message also carries the previous round's evaluation (the server's
+    ``GridTransport.ride``): PM as :func:`evaluate` computes it, on the client state the training then starts from
+    (a copy: the evaluation changes nothing), and the training as :func:`train`; one reply holds both."""
+    node = Node.of(msg, context)
+    cstate = node.client_state(context)
+    said = _evaluation(node, riding_records(msg.content), control(msg.content), copy.deepcopy(cstate))
+    return _trained(node, msg, context, cstate, **said)
+
+
+def _trained(node: Node, msg: FlwrMessage, context: Context, cstate: dict, **said) -> FlwrMessage:
+    """A training message's reply: ``method.local_train`` at the round's generator from ``cstate``, the state
+    kept, under --dp client clipped, under --dp sample the accountant's entries; ``said``: further engine fields."""
     ctl = control(msg.content)
     rnd = int(ctl["round"])
     gen = client_generator(node.job.cfg.seed, TRAIN, rnd, node.cid)
     payload = from_records(msg.content)
     with autocast(node.method.spec):
-        reply, cstate = node.method.local_train(payload, node.client_state(context), node.data, gen)
+        reply, cstate = node.method.local_train(payload, cstate, node.data, gen)
     node.save(context, cstate, rnd)
     if node.job.cfg.dp == "client":  # clipped before it leaves the SuperNode; its statistics stay here
         if "dp-clip" not in ctl:
@@ -313,7 +334,7 @@ def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
                                    means=class_means(node.method.sends), stats_clip=stats_clip)
     elif node.method.dpsgd is not None:  # trained by DP-SGD: the model, its size and the accountant's entries
         reply = node.method.dpsgd.client_reply(node.cid, reply)
-    return node.reply(msg, reply, **{"has-state": bool(cstate)})
+    return node.reply(msg, reply, **{"has-state": bool(cstate)}, **said)
 
 
 @app.train("phase")
@@ -337,17 +358,22 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
 def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
     """PM on the client's own test set; the reports go back as JSON (accuracy, many/medium/few: :mod:`.sends`)."""
     node = Node.of(msg, context)
-    ctl = control(msg.content)
-    cstate = node.client_state(context)
+    return node.reply(msg, **_evaluation(node, msg.content, control(msg.content), node.client_state(context)))
+
+
+def _evaluation(node: Node, content: RecordDict, ctl, cstate: dict) -> dict:
+    """PM of the model that ``content`` (the method's evaluation payload and, for the global model, the records of
+    :func:`global_state_records`) and ``cstate`` give, on the client's own test set, split as ``ctl`` says: the
+    reply's ``source`` and ``reports``."""
     if len(node.data.test_y) == 0:
-        return node.reply(msg, source="none", reports="{}")
+        return {"source": "none", "reports": "{}"}
     m = node.method
-    pp = m.personal_model(from_records(msg.content), cstate, node.data)
+    pp = m.personal_model(from_records(content), cstate, node.data)
     source = "personal"
     if pp is None:
-        if "fedlt.global" not in msg.content:
-            return node.reply(msg, source="needs-global", reports="{}")
-        gm = m.global_model(m.server_state(records_value(msg.content["fedlt.global"], msg.content["fedlt.global.arrays"])))
+        if "fedlt.global" not in content:
+            return {"source": "needs-global", "reports": "{}"}
+        gm = m.global_model(m.server_state(records_value(content["fedlt.global"], content["fedlt.global.arrays"])))
         if gm is None:
             raise ConfigError(f"method {m.name} has neither a global nor a personal model")
         pp, source = {"global": next(iter(as_modes(gm, "global").values()))}, "global"  # main mode, as simulated
@@ -356,7 +382,16 @@ def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
     reports = client_reports(pp, node.data, m.spec.num_classes, csplit)
     # what PM aggregates (the engine's declaration, .sends), not which classes its test set holds
     reports = {mode: {k: rep[k] for k in REPORTED if k in rep} for mode, rep in reports.items()}
-    return node.reply(msg, source=source, reports=json.dumps(reports))
+    return {"source": source, "reports": json.dumps(reports)}
+
+
+RIDING = "evaluation."  # the prefix of an evaluation's records riding in a training message (riding_records)
+
+
+def riding_records(content: RecordDict) -> RecordDict:
+    """The evaluation's records inside a ``train.evaluate`` message (the server's ``GridTransport.ride`` prefixes
+    them with :data:`RIDING`), as an ``evaluate`` message holds them."""
+    return RecordDict({k[len(RIDING):]: v for k, v in content.items() if k.startswith(RIDING)})
 
 
 def global_state_records(state: dict) -> RecordDict:

@@ -10,7 +10,9 @@ of the run's partition (``partition-id``) says nothing of its data in its ``desc
 that client from the run's settings. Only a SuperNode holding its own data (``data-dir``) says its label counts and
 sizes, and under ``--dp`` less: none under ``--dp client``, its number of samples under ``--dp sample`` (its DP-SGD
 sampling rate, public in the analysis). An evaluation reply holds, per inference mode, the accuracy and the group
-accuracies PM aggregates, under every ``--dp`` mode alike (no per-class accuracies: the server reads none).
+accuracies PM aggregates, under every ``--dp`` mode alike (no per-class accuracies: the server reads none). Where the
+evaluation of round r rides in round r+1's training message (``train.evaluate``: a method whose PM uses the global
+model, without ``--dp``, ``--secagg`` or simulated faults), that reply holds both replies' fields.
 
 This module imports no Flower: ``fedlt list`` and the docs read it without the ``flower`` extra.
 """
@@ -26,6 +28,9 @@ ENGINE = "flower"
 TITLE = "Flower engine"
 WHERE = "fedlt.engine.flower.sends.SENDS"
 DESCRIBE, TRAIN, PHASE, EVALUATE = "describe", "train", "train.phase", "evaluate"  # the replies, by message type
+# a round's training message that also carries the previous round's evaluation (GridTransport.ride): its reply holds
+# the training reply's fields and the evaluation reply's
+TRAIN_EVALUATE = "train.evaluate"
 REPORTS = "reports"  # an evaluation reply's JSON field, declared per entry: reports.MODE.ENTRY
 REPORTED = ("acc", *GROUPS, "nonfinite")  # what an evaluation report holds, per mode (client_app.evaluate)
 
@@ -38,7 +43,7 @@ def _riding(name: str, messages: tuple[str, ...], dp: tuple[str, ...]) -> Engine
 
 
 SENDS: tuple[EngineSent, ...] = (
-    EngineSent((DESCRIBE, TRAIN, PHASE, EVALUATE), "client-id", "protocol",
+    EngineSent((DESCRIBE, TRAIN, TRAIN_EVALUATE, PHASE, EVALUATE), "client-id", "protocol",
                "which client answers: its partition-id, or the client-id of a SuperNode with its own data"),
     EngineSent((DESCRIBE,), "partition", "protocol",
                "whether it serves a client of the run's partition (partition-id), whose label counts and sizes the "
@@ -51,16 +56,16 @@ SENDS: tuple[EngineSent, ...] = (
     EngineSent((DESCRIBE,), "num-examples", "size",
                "its number of training samples (under --dp sample its DP-SGD sampling rate, public in the "
                "analysis)", dp=("off", "sample"), nodes=DATA_DIR),
-    EngineSent((TRAIN, PHASE), "has-state", "protocol",
+    EngineSent((TRAIN, TRAIN_EVALUATE, PHASE), "has-state", "protocol",
                "whether it keeps a client state after the message (the server's record of the states a resumed run "
                "needs)"),
-    EngineSent((EVALUATE,), "source", "protocol",
+    EngineSent((EVALUATE, TRAIN_EVALUATE), "source", "protocol",
                "which model it evaluated: personal, global, needs-global (no personal model yet: it is sent the "
                "global one), none (its test set is empty)"),
-    EngineSent((EVALUATE,), f"{REPORTS}.*.acc", "scalars", "its accuracy on its own test set, per inference mode"),
-    EngineSent((EVALUATE,), f"{REPORTS}.*.nonfinite", "scalars",
+    EngineSent((EVALUATE, TRAIN_EVALUATE), f"{REPORTS}.*.acc", "scalars", "its accuracy on its own test set, per inference mode"),
+    EngineSent((EVALUATE, TRAIN_EVALUATE), f"{REPORTS}.*.nonfinite", "scalars",
                "true where its personal model outputs non-finite values (its local training diverged)"),
-    *(EngineSent((EVALUATE,), f"{REPORTS}.*.{g}", "class-counts",
+    *(EngineSent((EVALUATE, TRAIN_EVALUATE), f"{REPORTS}.*.{g}", "class-counts",
                  f"its accuracy on the run's {g}-shot classes, per mode; null where its test set holds none") for g in GROUPS),
     _riding("dp_unclipped", (TRAIN,), ("client",)),
     _riding("dp_history", (TRAIN, PHASE), ("sample",)),
@@ -70,8 +75,9 @@ SENDS: tuple[EngineSent, ...] = (
 def fields_of(message: str, record: dict[str, Any]) -> dict[str, Any]:
     """The engine's fields of a ``message`` reply's ``fedlt`` record, as declared: an evaluation's ``reports`` (JSON,
     by inference mode) as ``reports.MODE.ENTRY`` each."""
-    out = {k: v for k, v in record.items() if not (message == EVALUATE and k == REPORTS)}
-    if message == EVALUATE and REPORTS in record:
+    evaluation = message in (EVALUATE, TRAIN_EVALUATE)
+    out = {k: v for k, v in record.items() if not (evaluation and k == REPORTS)}
+    if evaluation and REPORTS in record:
         for mode, rep in json.loads(str(record[REPORTS])).items():
             out.update({f"{REPORTS}.{mode}.{k}": v for k, v in rep.items()})
     return out

@@ -53,9 +53,10 @@ from ...errors import ConfigError
 from ...runner.rundir import make_spec, run_dir_for, run_recorded
 from ...metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
 from ...plugins import method_class
-from .client_app import global_state_records, job_text, partition_federation
+from .client_app import RIDING, global_state_records, job_text, partition_federation
 from .records import control, from_records, load_client_state, save_client_state, state_tag, to_records
-from .sends import DESCRIBE, ENGINE, EVALUATE, PHASE as PHASE_REPLY, SENDS, TRAIN as TRAIN_REPLY, WHERE, fields_of
+from .sends import (DESCRIBE, ENGINE, EVALUATE, PHASE as PHASE_REPLY, SENDS, TRAIN as TRAIN_REPLY, TRAIN_EVALUATE,
+                    WHERE, fields_of)
 from .settings import FLOWER_DEFAULTS
 
 
@@ -287,17 +288,25 @@ class FedltStrategy(Strategy):
             return []
         return list(self._eval_messages(list(self.nodes), with_global=not self.method.personalized).values())
 
-    def _eval_messages(self, cids: list[int], with_global: bool) -> dict[int, FlwrMessage]:
+    def _eval_content(self, cids: list[int], with_global: bool) -> tuple[dict[int, RecordDict], dict]:
+        """What an evaluation tells each client of ``cids``: the method's evaluation payload (and with
+        ``with_global`` the server state: PM with the global model), and the split of its test set (the fields of
+        the ``fedlt`` record)."""
         gsplit = shot_split(self.fed.train_counts, self.cfg.split)
         ctl = {"split": self.cfg.split, "gsplit": json.dumps({g: gsplit[g].tolist() for g in GROUPS})}
         extra = global_state_records(self.state) if with_global else RecordDict()
-        msgs = {}
+        contents = {}
         for cid in cids:
             rd = to_records(self.method.eval_payload(self.state, cid), what="evaluation payload")
             for k, v in extra.items():
                 rd[k] = v
-            msgs[cid] = self._message(rd, cid, "evaluate", {**ctl, **self.transport.state_control(cid)}, "evaluate")
-        return msgs
+            contents[cid] = rd
+        return contents, ctl
+
+    def _eval_messages(self, cids: list[int], with_global: bool) -> dict[int, FlwrMessage]:
+        contents, ctl = self._eval_content(cids, with_global)
+        return {cid: self._message(rd, cid, "evaluate", {**ctl, **self.transport.state_control(cid)}, "evaluate")
+                for cid, rd in contents.items()}
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[FlwrMessage]) -> MetricRecord | None:
         got = {int(control(r.content)["client-id"]): r.content for r in replies if not r.has_error()}
@@ -321,11 +330,15 @@ class FedltStrategy(Strategy):
                 per_mode.setdefault(mode, []).append(rep)
         return summarize_personal(per_mode, source)
 
-    def evaluate(self, grid: Grid, clients: list[int] | None = None) -> tuple[dict, dict[int, str]]:
+    def evaluate(self, grid: Grid, clients: list[int] | None = None, ride: bool = False) -> tuple[dict, dict[int, str]]:
         """GM on the server's balanced test set, PM on ``clients`` (None: every client; as
-        ``fedlt.metrics.evaluate``); and the clients whose PM is missing, with why."""
+        ``fedlt.metrics.evaluate``); and the clients whose PM is missing, with why. ``ride``: GM alone, PM's
+        payloads (with the global model) kept for the next round's training messages (:meth:`GridTransport.ride`)."""
         ev = evaluate_global(self.method, self.state, {}, self.fed, self.cfg.split, personal=False)
         cids = sorted(self.nodes) if clients is None else [c for c in clients if c in self.nodes]
+        if ride:
+            self.transport.riding = self._eval_content(cids, True)
+            return ev, {}
         got, why = self.exchange(grid, self._eval_messages(cids, not self.method.personalized), self.round_timeout)
         again = [cid for cid, rd in got.items() if str(control(rd)["source"]) == "needs-global"]
         if again:  # a personalized method without a personal model for these clients: PM with the global model
@@ -336,9 +349,12 @@ class FedltStrategy(Strategy):
                 got.pop(cid, None)
         at = {"round": self.driver.round} if self.transport.at <= self.cfg.rounds else {"phase": "evaluation"}
         self.transport.record(EVALUATE, at, got.values())
-        ev["personal"] = self._personal(got)
-        ev["untested"] = sum(str(control(rd)["source"]) == "none" for rd in got.values())
-        return ev, why
+        return {**ev, **self._pm(got)}, why
+
+    def _pm(self, got: dict[int, RecordDict]) -> dict:
+        """An evaluation record's PM part from the clients' replies ``got``."""
+        return {"personal": self._personal(got), "untested": sum(str(control(rd)["source"]) == "none"
+                                                                for rd in got.values())}
 
     # ------------------------------------------------------------------ the run
     def run(self, grid: Grid, out: Path | None = None, *, checkpoint_every: int = 0, resume: bool = False) -> dict:
@@ -360,11 +376,12 @@ class FedltStrategy(Strategy):
                       "round_timeout": self.round_timeout, "wait_timeout": self.wait_timeout,
                       "nodes": {str(c): n for c, n in sorted(self.nodes.items())}}}
 
-        def say(d):
-            ev = d.history[-1].get("eval")
-            said = (", ".join(f"{k} {v:.4f}" for k, v in headline(ev).items() if v is not None) if ev
-                    else f"train loss {d.history[-1]['train_loss']}")
-            self.echo(f"round {d.round}: {said}")
+        def say(d):  # each round as it is recorded (one whose PM rides in the next round's messages: then)
+            for rec in d.recorded:
+                ev = rec.get("eval")
+                said = (", ".join(f"{k} {v:.4f}" for k, v in headline(ev).items() if v is not None) if ev
+                        else f"train loss {rec['train_loss']}")
+                self.echo(f"round {rec['round']}: {said}")
 
         self.driver.after_round.append(say)
         with owned_run_dir(out):
@@ -396,6 +413,10 @@ class GridTransport:
         self.checkpointed: list[int] = []  # the rounds of the checkpoints the run directory keeps (newest last)
         self.sent = None  # the run directory's sent.jsonl (record_to); until then its rows are kept in unrecorded
         self.unrecorded: list[dict] = []
+        # an evaluation riding in the next round's training messages (rides): its contents per client and fields;
+        # then the replies that came back with them and the clients missing (ridden)
+        self.riding: tuple[dict[int, RecordDict], dict] | None = None
+        self.rode: tuple[dict[int, RecordDict], dict[int, str]] = ({}, {})
 
     def record(self, message: str, at: dict, replies: Iterable[RecordDict]) -> None:
         """The engine's own fields of a ``message`` exchange's replies (:mod:`.sends`) into the run's ``sent.jsonl``
@@ -448,9 +469,33 @@ class GridTransport:
             ctl["dp-clip"] = float(dp.clip)
         mtype, group = ("train", str(index)) if kind == TRAINING else ("train.phase", f"phase-{index}")
         bound, _ = self._tag(kind, index)
-        return {cid: st._message(p, cid, mtype, {**ctl, **(dp.control(cid) if st.cfg.dp == "sample" else {}),
-                                                 **self.state_control(cid, bound)}, group)
-                for cid, p in payloads.items()}
+        riding = self.riding if kind == TRAINING else None
+        msgs = {}
+        for cid, p in payloads.items():
+            c = {**ctl, **(dp.control(cid) if st.cfg.dp == "sample" else {}), **self.state_control(cid, bound)}
+            if riding is not None and cid in riding[0]:  # the previous round's evaluation goes with it
+                rd = to_records(p, what="payload")
+                for k, v in riding[0][cid].items():
+                    rd[RIDING + k] = v
+                msgs[cid] = st._message(rd, cid, TRAIN_EVALUATE, {**c, **riding[1]}, group)
+            else:
+                msgs[cid] = st._message(p, cid, mtype, c, group)
+        return msgs
+
+    def rides(self, method: Method, rnd: int, clients: list[int]) -> bool:
+        """Whether round ``rnd``'s PM on ``clients`` goes with round rnd+1's training messages (``train.evaluate``)
+        instead of an exchange of its own, which costs a SuperNode's poll and a process start: where the method's
+        PM is the global model's (not ``personalized``: the evaluation reads no client state, so it is the same
+        before the next training as after the round), every client evaluated trains in round rnd+1, and nothing
+        else has its say on the training replies (no ``--dp``, ``--secagg`` or simulated faults)."""
+        cfg = self.st.cfg
+        return (cfg.dp == "off" and not cfg.secagg and self.st.driver.cfg.faults is None and not method.personalized
+                and rnd < cfg.rounds and set(clients) <= set(self.st.driver.sampled(rnd + 1)))
+
+    def ridden(self) -> tuple[dict, dict[int, str]]:
+        """The riding evaluation's PM part (as :meth:`FedltStrategy.evaluate` makes it) and its clients missing."""
+        (got, why), self.rode = self.rode, ({}, {})
+        return self.st._pm(got), why
 
     @property
     def privatises(self) -> bool:
@@ -472,9 +517,16 @@ class GridTransport:
             replies, why = secure_round(self, index, payloads)
             self.at = index
             return replies, why
-        got, why = self.st.exchange(self.grid, self.messages(kind, index, payloads), self.st.round_timeout)
-        self.record(TRAIN_REPLY if kind == TRAINING else PHASE_REPLY,
-                    {"round": index} if kind == TRAINING else {"phase": kind}, got.values())
+        msgs = self.messages(kind, index, payloads)
+        got, why = self.st.exchange(self.grid, msgs, self.st.round_timeout)
+        rode = {c for c, m in msgs.items() if m.metadata.message_type == TRAIN_EVALUATE}
+        if kind == TRAINING and self.riding is not None:
+            self.rode = ({c: got[c] for c in sorted(rode) if c in got}, {c: why[c] for c in sorted(rode) if c in why})
+            self.riding = None
+        at = {"round": index} if kind == TRAINING else {"phase": kind}
+        self.record(TRAIN_REPLY if kind == TRAINING else PHASE_REPLY, at, [got[c] for c in got if c not in rode])
+        if rode:
+            self.record(TRAIN_EVALUATE, at, [got[c] for c in got if c in rode])
         _, written = self._tag(kind, index)
         self.at = written
         for cid, rd in got.items():
@@ -484,8 +536,8 @@ class GridTransport:
                 self.expect.pop(cid, None)
         return [(cid, from_records(got[cid])) for cid in sorted(got)], why
 
-    def evaluate(self, method: Method, state: dict, split: str, clients: list[int] | None = None):
-        return self.st.evaluate(self.grid, clients)
+    def evaluate(self, method: Method, state: dict, split: str, clients: list[int] | None = None, ride: bool = False):
+        return self.st.evaluate(self.grid, clients, ride)
 
     @property
     def client_states(self) -> dict:
