@@ -283,6 +283,25 @@ def test_clip_text_head_rows_are_the_normalised_prompt_embeddings(clip_dir):
     assert {"head.weight", "head.bias"} <= set(fixed.state_dict())
 
 
+def test_zero_shot_clip_run_keeps_the_text_head(clip_dir, tmp_path):
+    """--head clip-text --head-fixed --finetune head --local-epochs 0: nothing trains, the run's head is the text
+    embeddings of the dataset's class names; without --local-epochs 0 it is refused (nothing would train)."""
+    from safetensors.torch import load_file
+
+    d, _, _ = clip_dir
+    args = ["run", "--model", f"hf:{d}", "--head", "clip-text", "--head-fixed", "--finetune", "head", "--preset",
+            "smoke", "--rounds", "1", "--threads", "1", "--no-progress"]
+    r = fedlt(*args, "--out", str(tmp_path / "no"))
+    assert r.returncode == 2 and "--local-epochs 0" in r.stderr and not (tmp_path / "no").exists()
+    r = fedlt(*args, "--local-epochs", "0", "--out", str(tmp_path), "--name", "z")
+    assert r.returncode == 0, r.stderr
+    from fedlt.data.datasets import DIGIT_CLASSES
+
+    head = {k: v for k, v in load_file(str(tmp_path / "z" / "final_state.safetensors")).items()
+            if k.endswith("head.weight")}
+    assert head and all(torch.allclose(w, pretrained.clip_text_head(f"hf:{d}", DIGIT_CLASSES)) for w in head.values())
+
+
 def test_clip_text_head_refusals(vit_dir, clip_dir, tmp_path):
     d, _ = vit_dir
     with pytest.raises(ConfigError, match="needs a CLIP model"):

@@ -891,6 +891,10 @@ RELATIONS: list[Relation] = [
                  lambda c: f"--pretrained-size applies to pre-trained models (--model efficientnet-lite0 or "
                            f"hf:<hub id or directory>), not {c.model or 'the dataset default'}; drop it",
                  others=("model",), bad=({"pretrained_size": 64},)),
+    requires("head_fixed", lambda c: c.finetune != "head" or c.local_epochs == 0,
+             "--head-fixed with --finetune head leaves nothing to train (zero-shot CLIP): add --local-epochs 0 to "
+             "evaluate it, or drop --head-fixed", when=lambda c: c.head_fixed, others=("finetune", "local_epochs"),
+             bad=({"head": "clip-text", "head_fixed": True, "finetune": "head"},)),
     requires("head", lambda c: is_clip(c.model),
              lambda c: f"--head clip-text needs a CLIP model: --model hf:<a CLIP model's hub id or directory> (e.g. "
                        f"hf:openai/clip-vit-base-patch32), not {c.model or 'the dataset default'}; or --head linear",

@@ -41,7 +41,8 @@ class names (underscores read as spaces), L2-normalised, bias 0, from the text t
 directory as the image tower. The backbone's features are CLIP's projected image embeddings, so the logits are
 ``|f(x)| cos(f(x), t_c)``: per image the zero-shot CLIP's logits up to a positive factor, the same prediction.
 By default the head starts there and trains; ``--head-fixed`` keeps it (its weight and bias are buffers: in the
-state dict, identical on every client, never trained), which with a frozen backbone is zero-shot CLIP.
+state dict, identical on every client, never trained), which with a frozen backbone (``--finetune head
+--local-epochs 0``: nothing trains) is zero-shot CLIP.
 
 Weights are read without running code from a file: Hugging Face models with ``use_safetensors=True`` and never
 ``trust_remote_code`` (a directory holding only a pickle checkpoint, ``pytorch_model.bin``, is refused); the
