@@ -464,6 +464,19 @@ class ClientDP:
         self.norms: list[float] = []  # its norms before clipping, where the server sees them (the simulator)
         self._epsilons: dict[int, float] = {}  # by rounds done (the budget check and the round's record ask alike)
 
+    @classmethod
+    def of(cls, cfg, method, population: int, per_round: int) -> "ClientDP":
+        """The run's client-level DP from its settings (``cfg``: the engine's, ``fedlt.engine.driver.EngineConfig``,
+        every ``dp_*`` setting by its declared name) and the method (the class-mean arrays its clients send,
+        its classes)."""
+        from .noise import noise_key, noise_source
+
+        return cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, cfg.dp_budget, population, per_round,
+                   cfg.rounds, quantile=cfg.dp_clip_quantile, clip_lr=cfg.dp_clip_lr, count_noise=cfg.dp_count_noise,
+                   means=class_means(method.sends), num_classes=method.spec.num_classes, stats_clip=cfg.dp_stats_clip,
+                   accountant=cfg.dp_accountant, key=noise_key(cfg, cfg.deployed),
+                   source=noise_source(cfg, "client", cfg.deployed))
+
     def client_side(self, payloads: dict, replies: list) -> list:
         """Each reply as its client sends it under DP: the update clipped, integer entries as received, only
         ``num_examples`` 1 in its meta (every client weighs 1; its statistics stay with it)."""

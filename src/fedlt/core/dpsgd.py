@@ -360,6 +360,20 @@ class SampleDP:
         self.remote = False  # the clients train by DP-SGD themselves (Flower's): their gradient norms stay there
 
     @classmethod
+    def of(cls, cfg, method, schedule: list[list[int]], sizes: Callable[[], Any]) -> "SampleDP":
+        """The run's sample-level DP from its settings (``cfg``: the engine's, ``fedlt.engine.driver.EngineConfig``,
+        every ``dp_*`` setting by its declared name), the method (its batch size and epochs a round, whether its
+        loss reads the class counts, what rides with its replies), the sampling ``schedule`` and the clients'
+        sizes (read when first needed)."""
+        from .noise import noise_key, noise_source
+
+        kind = type(method)
+        return cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, schedule, sizes, budget=cfg.dp_budget,
+                   batch_size=method.spec.batch_size, local_epochs=method.dp_round_epochs(),
+                   key=noise_key(cfg, cfg.deployed), counts_noise=counts_of(cfg) if reads_counts(kind) else None,
+                   seed=cfg.seed, riders=riders(kind), source=noise_source(cfg, "sample", cfg.deployed))
+
+    @classmethod
     def on_client(cls, cfg, cid: int, ctl, key: str | None = None, counts: bool = False,
                   riders: tuple[str, ...] = ()) -> "SampleDP":
         """A SuperNode's DP-SGD for its client ``cid`` (Flower): the run's clip and noise or target epsilon, and what

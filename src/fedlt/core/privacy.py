@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from numbers import Number
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -461,3 +461,42 @@ def categories_of(cls, when: str | None = None) -> list[str]:
     got = {s.category for s in sends if when is None or (s.when in (ROUNDS, ANY) if when == ROUNDS
                                                          else s.when != ROUNDS)}
     return [c for c in CATEGORIES if c in got]
+
+
+class PrivacyMechanism(Protocol):
+    """What a run's DP mechanism does around the driver's exchanges (``--dp client``: :class:`fedlt.core.dp.ClientDP`;
+    ``--dp sample``: :class:`fedlt.core.dpsgd.SampleDP`), and the only way the engine reaches it
+    (:class:`fedlt.engine.privacy.Privacy`): where the replies are made, where they arrive, where the server sums,
+    the accountant."""
+
+    key: str | None  # --dp-noise-seed secret: the noise key (None: the noise follows from the run's seed)
+
+    def client_side(self, payloads: dict, replies: list) -> list:
+        """A training round's replies as their clients send them (the simulated clients: clipped, their meta cut)."""
+
+    def phase_side(self, phase: str, replies: list) -> list:
+        """A post-training phase's replies as their clients send them."""
+
+    def arrived(self, payloads: dict, replies: list, phase: str | None = None) -> tuple[list, dict[int, str]]:
+        """Replies whose clients applied the mechanism themselves (a deployment's), checked: those used, and why
+        the others are not."""
+
+    def server_side(self, replies: list, gen: torch.Generator) -> list:
+        """The round's replies as the method's aggregate receives them (the server's noise, drawn from ``gen``)."""
+
+    def epsilon(self, rounds: int) -> float:
+        """The privacy loss after ``rounds`` rounds."""
+
+    def over_budget(self, rnd: int) -> str | None:
+        """Why round ``rnd`` may not run (--dp-budget), or None."""
+
+    def record(self) -> dict:
+        """The round's fields of metrics.jsonl."""
+
+    def table(self, rounds: int) -> dict:
+        """summary.json's ``dp``: the privacy loss and every input of its accountant."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps."""
+
+    def load_state_dict(self, d: dict) -> None: ...

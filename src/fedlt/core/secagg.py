@@ -104,6 +104,13 @@ class SecAgg:
         self.clip_range, self.levels, self.max_weight = float(clip_range), int(levels), max_weight
         self.uniform = uniform  # --dp client: every client sends num_examples 1
 
+    @classmethod
+    def of(cls, cfg) -> "SecAgg":
+        """The run's ``--secagg`` from its settings (``cfg``: the engine's, every ``secagg_*`` setting by its
+        declared name; under ``--dp client`` every client weighs 1)."""
+        return cls(cfg.secagg_shares, cfg.secagg_threshold, cfg.secagg_clip_range, cfg.secagg_levels,
+                   cfg.secagg_max_weight, uniform=cfg.dp == "client")
+
     def round_params(self, clients: int, largest: int) -> RoundParams | str:
         """The round's parameters for ``clients`` clients, the largest of which has ``largest`` training samples
         (the default max weight; 1 under ``--dp client``); or why SecAgg+ cannot run the round (a Poisson-sampled

@@ -33,17 +33,15 @@ import numpy as np
 import torch
 
 from ..config import RunConfig, clients_per_round, lr_at, worker_count
-from ..core.dp import ClientDP, class_means
-from ..core.dpsgd import SampleDP, counts_of, reads_counts, riders
-from ..core.noise import noise_generator, noise_key, noise_source
+from ..core.noise import noise_generator
 from ..core.method import Message, Method, derive_seed
 from ..core.privacy import sends_check
-from ..core.secagg import SecAgg, largest_client
 from ..core.state import snapshot, tree_of, typed
 from ..decl import reads_settings, settings_values
 from ..errors import ConfigError
 from ..metrics import headline
 from .faults import Faults, RoundPlan
+from .privacy import Privacy
 
 SAMPLING, TRAIN, PHASE, EVAL_SAMPLE, DP_NOISE = 10, 11, 12, 13, 14
 SECAGG = 15  # a client's stochastic rounding under --secagg (core.secagg): the simulator's and its SuperNode's
@@ -146,6 +144,11 @@ Replies = list[tuple[int, Message]]  # (client id, reply), in client-id order
 class Transport(Protocol):
     """Carries one exchange of a run to the clients and back."""
 
+    # what its clients do themselves (engine.privacy): apply the DP to their replies (Flower's ClientApp clips,
+    # its SuperNodes train by DP-SGD), so the driver checks them instead; run SecAgg+ (Flower's rounds)
+    privatises: bool
+    secagg: bool
+
     def reachable(self, cids: list[int]) -> dict[int, str]:
         """Before a round: the clients among ``cids`` that cannot be reached, with why (none in process)."""
 
@@ -157,12 +160,6 @@ class Transport(Protocol):
     def evaluate(self, method: Method, state: dict, split: str, clients: list[int]) -> tuple[dict, dict[int, str]]:
         """GM on the balanced test set and PM on the own test sets of ``clients`` (the run's evaluation
         sample); and the clients missing."""
-
-    # Optional (a transport whose exchanges cost a message each, Flower's): ``rides(method, rnd, clients)`` says
-    # whether round ``rnd``'s PM on ``clients`` can go with round rnd+1's training messages; then
-    # ``evaluate(..., ride=True)`` returns GM alone and keeps PM's payloads for the next training exchange, after
-    # which ``ridden()`` returns ({"personal": ..., "untested": ...}, the clients missing). Driver.run records the
-    # round once that part has come back.
 
     def keep_states_in(self, directory, fresh: bool = False) -> None:
         """The run directory's folder for the client states this transport keeps (spills, checkpoints);
@@ -185,28 +182,14 @@ class Driver:
         self.log = log or (lambda rec: None)
         self.num_clients = num_clients
         per_round = clients_per_round(num_clients, cfg.participation)
-        # --dp client (core.dp): every client sampled with probability per_round / num_clients, as its accountant
-        # assumes; else exactly per_round clients, uniformly without replacement
-        self.dp = None if cfg.dp != "client" else ClientDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta,
-                                                            cfg.dp_budget, num_clients, per_round, cfg.rounds,
-                                                            cfg.dp_clip_quantile, cfg.dp_clip_lr, cfg.dp_count_noise,
-                                                            class_means(method.sends), method.spec.num_classes,
-                                                            cfg.dp_stats_clip, cfg.dp_accountant,
-                                                            noise_key(cfg, cfg.deployed),
-                                                            noise_source(cfg, "client", cfg.deployed))
-        self.schedule = sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed) if self.dp is None else \
-            poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed)
-        if cfg.dp == "sample":  # --dp sample (core.dpsgd): DP-SGD in every client's described steps, an accountant each
-            self.dp = method.dpsgd = SampleDP(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, self.schedule,
-                                              lambda: self.counts().sum(1), cfg.dp_budget, method.spec.batch_size,
-                                              method.dp_round_epochs(), noise_key(cfg, cfg.deployed),
-                                              counts_of(cfg) if reads_counts(type(method)) else None, cfg.seed,
-                                              riders(type(method)), noise_source(cfg, "sample", cfg.deployed))
+        # --dp, --secagg (engine.privacy): the mechanisms around every exchange, built from the settings
+        self.privacy = Privacy(cfg, method, num_clients, per_round, transport)
+        # Poisson sampling where the mechanism's accountant assumes it (--dp client: each client in with probability
+        # per_round / num_clients); else exactly per_round clients, uniformly without replacement
+        self.schedule = poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed) \
+            if self.privacy.poisson else sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed)
+        self.privacy.scheduled(self.schedule, lambda: self.counts().sum(1))
         self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)
-        # --secagg (core.secagg): the server receives a training round's replies as SecAgg+ unmasks them; a transport
-        # that runs the protocol itself says so (``secagg``: Flower's), the others' rounds simulate it (exchange)
-        self.secagg = SecAgg(cfg.secagg_shares, cfg.secagg_threshold, cfg.secagg_clip_range, cfg.secagg_levels,
-                             cfg.secagg_max_weight, uniform=cfg.dp == "client") if cfg.secagg else None
         self.eval_clients = eval_sample(num_clients, cfg.eval_clients, cfg.seed)
         self.round = 0
         self.state = typed(method, method.init_server())
@@ -232,11 +215,16 @@ class Driver:
         # called with (kind, index, replies) as every exchange's replies arrive, rounds and phases alike (what left
         # the clients: core.privacy checks it against the method's declaration, the run directory records it)
         self.on_replies: list[Callable[[str, int, Replies], None]] = [sends_check(method)]
-        # a round whose PM rides in the next round's training messages (Transport.rides): its record (GM done),
-        # the evaluation's tag and clients and the seconds it took so far; recorded once the next round's replies
-        # complete it (a checkpoint keeps it, and a resumed run sends its PM with that round again)
-        self.pending: dict | None = None
-        self.recorded: list[dict] = []  # the records this round's iteration added to the history (after_round reads)
+
+    @property
+    def dp(self):
+        """The run's DP mechanism (``fedlt.core.privacy.PrivacyMechanism``), or None (engine.privacy)."""
+        return self.privacy.dp
+
+    @property
+    def secagg(self):
+        """The run's ``--secagg`` (``fedlt.core.secagg.SecAgg``), or None (engine.privacy)."""
+        return self.privacy.secagg
 
     def close(self) -> None:
         """The run is over (finished or stopped): the transport lets go of what it holds (worker processes)."""
@@ -253,8 +241,7 @@ class Driver:
         (fedlt.safefile.save_tree)."""
         return {"round": self.round, "state": tree_of(self.state), "client_states": self.transport.state_dict(),
                 "history": self.history, "missing": self.missing, "method": self.method.state_dict(),
-                "rng": rng_state(), **({} if self.dp is None else {"dp": self.dp.state_dict()}),
-                **({} if self.pending is None else {"pending": self.pending})}
+                "rng": rng_state(), **self.privacy.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         """Continue from a :meth:`state_dict`; ``run()`` then goes on with round ``d["round"] + 1``."""
@@ -265,11 +252,7 @@ class Driver:
         self.history = list(d["history"])
         self.missing = {k: list(v) for k, v in d.get("missing", {}).items()}
         self.method.load_state_dict(d.get("method", {}))
-        self.pending = d.get("pending")
-        if self.pending is not None:  # its PM goes with the next round's training messages, as it would have
-            self.transport.evaluate(self.method, self.state, self.cfg.split, self.pending["clients"], ride=True)
-        if self.dp is not None:
-            self.dp.load_state_dict(d.get("dp", {}))
+        self.privacy.load_state_dict(d)
         set_rng_state(d["rng"])
 
     # ---------------------------------------------------------------- one exchange
@@ -293,16 +276,15 @@ class Driver:
         missing like those of a client that failed."""
         why = self.transport.reachable(cids) if cids else {}
         payloads = self.payloads(kind, index, [c for c in cids if c not in why], make_payload)
-        replies, lost = self.transport.send_and_receive(kind, index, payloads) if payloads else ([], {})
+        # each reply as its client sends it (engine.privacy: under DP clipped where the reply is made)
+        carrier = self.privacy.carrier(self.transport)
+        replies, lost = carrier.send_and_receive(kind, index, payloads) if payloads else ([], {})
         why.update(lost)
-        private = self.dp is not None and getattr(self.transport, "privatises", False)
-        if self.dp is not None and not private:  # each reply as its client sends it under DP (core.dp): clipped
-            replies = self.dp.client_side(payloads, replies) if kind == TRAINING else self.dp.phase_side(kind, replies)
         for hook in self.on_replies:  # what left the clients
             hook(kind, index, replies)
-        if private:  # the clients applied the DP themselves (Flower's): checked, what they add for the server kept
-            replies, refused = self.dp.arrived(payloads, replies, None if kind == TRAINING else kind)
-            why.update(refused)
+        # where the clients applied the DP themselves (Flower's): checked, what they add for the server kept
+        replies, refused = self.privacy.arrived(kind, payloads, replies)
+        why.update(refused)
         extra = {}
         if kind == TRAINING:
             extra = {"sampled": len(cids), "trained": len(replies)}
@@ -314,11 +296,10 @@ class Driver:
                     extra["online"] = plan.online
                 if sim_time is not None:
                     extra["sim_time"] = sim_time
-            if self.secagg is not None and not getattr(self.transport, "secagg", False):
-                largest = largest_client(self.counts().sum(1), payloads)
-                replies, halted = self.secagg.simulate(payloads, replies, largest,
-                                                       lambda c: derive_seed(self.cfg.seed, SECAGG, index, c))
-                why.update(halted)
+            # what SecAgg+ hands the server, where the transport does not run it (engine.privacy)
+            replies, halted = self.privacy.unmasked(payloads, replies, lambda: self.counts().sum(1),
+                                                    lambda c: derive_seed(self.cfg.seed, SECAGG, index, c))
+            why.update(halted)
             extra["arrived"] = len(replies)
         rec = {**extra, "bytes_down_per_client": sum(p.nbytes() for p in payloads.values()) / max(len(cids), 1),
                "bytes_up_per_client": sum(r.nbytes() for _, r in replies) / max(len(replies), 1),
@@ -368,8 +349,9 @@ class Driver:
         m = self.method
         replies, comm = self.exchange(TRAINING, rnd, f"round {rnd}", cids, lambda c: m.configure(self.state, rnd, c),
                                       plan)
-        if self.dp is not None and replies:  # the server's noise on the clipped updates' sum (core.dp)
-            replies = self.dp.server_side(replies, noise_generator(self.dp.key, self.cfg.seed, DP_NOISE, rnd, 0))
+        # the server's noise on the clipped updates' sum (engine.privacy, core.dp), before the method's mean
+        replies = self.privacy.before_aggregate(replies, lambda key: noise_generator(key, self.cfg.seed, DP_NOISE,
+                                                                                     rnd, 0))
         if replies:
             self.state = m.aggregate(self.state, rnd, replies)
         else:  # a round nobody answered leaves the state as it was
@@ -379,7 +361,7 @@ class Driver:
                 self.echo(f"note: round {rnd}: {note}")
         self.round = rnd
         losses = [r.meta["loss"] for _, r in replies if "loss" in r.meta]
-        dp = {} if self.dp is None else {"dp_epsilon": self.dp.epsilon(rnd), **self.dp.record()}
+        dp = self.privacy.record(rnd)
         return {"round": rnd, "clients": cids, "train_loss": float(np.mean(losses)) if losses else None,
                 "lr": self.round_config(TRAINING, rnd)["lr"], **comm, **dp, "round_time": time.perf_counter() - t0}
 
@@ -420,22 +402,13 @@ class Driver:
             self.exchange(phase, index, f"phase {phase}", late, lambda c: m.phase_configure(phase, state, c))
         self.phased.update(late)
 
-    def evaluate(self, tag: str = "final", clients: list[int] | None = None, ride: bool = False) -> dict:
+    def evaluate(self, tag: str = "final", clients: list[int] | None = None) -> dict:
         """GM, and PM over the evaluation sample (or ``clients``: any clients, brought through the
-        post-training phases first where those did not reach them). ``ride``: PM goes with the next round's
-        training messages (:meth:`Transport.rides`): GM alone now, :meth:`pending` keeps the rest."""
+        post-training phases first where those did not reach them)."""
         t0 = time.perf_counter()
         clients = self.eval_clients if clients is None else sorted(clients)
         self.catch_up(clients)
-        if ride:
-            ev, _ = self.transport.evaluate(self.method, self.state, self.cfg.split, clients, ride=True)
-            self.pending = {"tag": tag, "clients": clients, "time": time.perf_counter() - t0}
-            return ev
         ev, why = self.transport.evaluate(self.method, self.state, self.cfg.split, clients)
-        return self.evaluated(tag, clients, ev, why, time.perf_counter() - t0)
-
-    def evaluated(self, tag: str, clients: list[int], ev: dict, why: dict[int, str], seconds: float) -> dict:
-        """An evaluation's record completed: the clients missing, the sample's size, the notes, its time."""
         if why:
             ev["missing"] = sorted(why)
             self.note_missing(tag, why)
@@ -447,22 +420,8 @@ class Driver:
             if note not in self.said:  # once per run
                 self.said.add(note)
                 self.echo(f"note: {note}")
-        ev["eval_time"] = seconds
+        ev["eval_time"] = time.perf_counter() - t0
         return ev
-
-    def ridden(self) -> dict | None:
-        """The pending round's record (:attr:`pending`), completed by the PM that came back with this round's
-        training replies; None when no round was pending."""
-        if self.pending is None:
-            return None
-        pending, self.pending = self.pending, None
-        t0 = time.perf_counter()
-        rec = pending["record"]
-        part, why = self.transport.ridden()
-        rec["eval"].update(part)
-        self.evaluated(pending["tag"], pending["clients"], rec["eval"], why,
-                       pending["time"] + time.perf_counter() - t0)
-        return rec
 
     def say_collapsed(self, tag: str, ev: dict) -> None:
         """One line, once per run, when a global model predicts one class for every balanced test sample: a run
@@ -490,34 +449,19 @@ class Driver:
         last = {}
         try:
             while self.round < cfg.rounds:
-                if self.dp is not None and (why := self.dp.over_budget(self.round + 1)) is not None:
+                if (why := self.privacy.over_budget(self.round + 1)) is not None:
                     self.stopped = why  # --dp-budget: the run ends here, cleanly (phases, final evaluation)
                     self.echo(why)
                     break
                 rec = self.train_round()
-                done = self.ridden()  # the previous round, whose PM came back with this round's replies
-                self.recorded = []
-                if done is not None:
-                    last = headline(done["eval"])
-                    with self.round_end():
-                        self.history.append(done)
-                        self.log(done)
-                        self.recorded.append(done)
                 for hook in self.after_train:
                     hook(self, rec)
-                rides = getattr(self.transport, "rides", None)
                 if is_eval_round(self.round, cfg.eval_every, cfg.rounds):
-                    ride = rides is not None and rides(self.method, self.round, self.eval_clients)
-                    rec["eval"] = self.evaluate(f"eval {self.round}", ride=ride)
-                    if ride:
-                        self.pending["record"] = rec
-                    else:
-                        last = headline(rec["eval"])
+                    rec["eval"] = self.evaluate(f"eval {self.round}")
+                    last = headline(rec["eval"])
                 with self.round_end():
-                    if self.pending is None:
-                        self.history.append(rec)
-                        self.log(rec)
-                        self.recorded.append(rec)
+                    self.history.append(rec)
+                    self.log(rec)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix({k: f"{v:.3f}" for k, v in last.items() if v is not None} |

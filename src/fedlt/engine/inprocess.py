@@ -31,6 +31,9 @@ class InProcess:
     ``client_states`` (a :class:`~fedlt.engine.clientstate.ClientStates` store: in memory up to its budget,
     spilled to disk beyond it, checkpointed incrementally)."""
 
+    privatises = False  # the clients' replies leave as the hooks return them (engine.privacy applies the DP)
+    secagg = False  # a --secagg round is simulated (engine.privacy)
+
     def __init__(self, method: Method, fed, seed: int, states: ClientStates | None = None):
         self.method, self.fed, self.seed = method, fed, seed
         self.client_states = states if states is not None else ClientStates()
