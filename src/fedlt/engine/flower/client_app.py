@@ -164,10 +164,15 @@ def partition_federation(cfg: RunConfig, device: str):
     return _FEDS[key]
 
 
+def _partition_id(job: Job, pid: int) -> int:
+    if not 0 <= pid < job.cfg.clients:
+        raise ConfigError(f"partition-id {pid} is outside the run's {job.cfg.clients} clients; use "
+                          f"0..{job.cfg.clients - 1}")
+    return pid
+
+
 def _partition_client(job: Job, pid: int, device: str) -> ClientData:
     cfg = job.cfg
-    if not 0 <= pid < cfg.clients:
-        raise ConfigError(f"partition-id {pid} is outside the run's {cfg.clients} clients; use 0..{cfg.clients - 1}")
     fed = partition_federation(cfg, device)
     if job.spec.finetune == "head":  # the samples as the frozen backbone's features, encoded once (core.finetune)
         key = f"{id(fed)} features"
@@ -228,7 +233,7 @@ class Node:
         method = _method(job, device)
         pid, data_dir = node_setting(context, "partition-id"), node_setting(context, "data-dir")
         if pid is not None:
-            cid = int(pid)
+            cid = _partition_id(job, int(pid))
             data = _partition_client(job, cid, device)
         elif data_dir is not None:
             if node_setting(context, "client-id") is None:
@@ -289,13 +294,18 @@ def describe(msg: FlwrMessage, context: Context) -> FlwrMessage:
     """Who it is (its client id, whether it serves the run's partition) and, from a SuperNode holding its own data,
     the facts of it that the engine declares for the run's --dp mode (:mod:`.sends`: its label counts and sizes;
     under --dp client none, under --dp sample its size); a client of the partition sends none of them (the server
-    rebuilds it from the run's settings)."""
+    rebuilds it from the run's settings: it answers without building the method or reading the data, which a
+    SuperNode's process, started for this message, would do for nothing)."""
+    pid = node_setting(context, "partition-id")
+    if pid is not None:
+        cid = _partition_id(Job.parse(str(control(msg.content)["run"])), int(pid))
+        return FlwrMessage(to_records(Message(), {"client-id": cid, "partition": True}, "reply", metrics=False),
+                           reply_to=msg)
     node = Node.of(msg, context)
-    own = node_setting(context, "partition-id") is None
     facts = {"counts": [int(c) for c in node.data.counts], "test-size": len(node.data.test_y),
              "num-examples": len(node.data)}
-    said = {k: v for k, v in facts.items() if engine_match(SENDS, DESCRIBE, k, node.job.cfg.dp, own)}
-    return node.reply(msg, partition=not own, **said)
+    said = {k: v for k, v in facts.items() if engine_match(SENDS, DESCRIBE, k, node.job.cfg.dp, True)}
+    return node.reply(msg, partition=False, **said)
 
 
 @app.train(mods=[secagg_mod])  # a SecAgg+ round's messages through Flower's secaggplus_mod (--secagg)
