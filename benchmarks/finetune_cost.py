@@ -3,7 +3,10 @@
 method on ``mlp`` over those features (the feature pass, once per sample, printed apart). Prints ratios; short on
 a CPU at the default size (64 x 64 input)::
 
-    .venv/bin/python benchmarks/finetune_cost.py --threads 1
+    .venv/bin/python benchmarks/finetune_cost.py --threads 1 [--memory]
+
+``--memory`` adds the peak memory of a 100-client ``lora`` round against a 10-client one (Ditto, whose clients
+each keep a personal model: 100 sets of adapters over the one shared backbone), each in a fresh process.
 """
 from __future__ import annotations
 
@@ -46,14 +49,46 @@ def round_times(sim: Simulation, rounds: int) -> list[float]:
     return out
 
 
+def round_memory(clients: int, size: int, threads: int) -> None:
+    """(A child process's work.) One ``lora`` round of Ditto -- a personal model kept per client -- with every one of
+    ``clients`` clients training, on digits at full size; prints the process's peak resident memory in MB."""
+    import resource
+
+    torch.set_num_threads(threads)
+    cfg = RunConfig(dataset="digits", imbalance_ratio=1.0, lt_profile="none", model="efficientnet-lite0",
+                    pretrained_size=size, finetune="lora", method="ditto", clients=clients, participation=1.0,
+                    local_epochs=1, batch_size=8, rounds=1, seed=0, threads=threads)
+    pr = prepare(cfg)
+    Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False)).train_round()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def memory(size: int, threads: int) -> None:
+    """Peak memory of a 100-client round against a 10-client round, each in a fresh process."""
+    import subprocess
+    import sys
+
+    peak = {}
+    for k in (10, 100):
+        out = subprocess.run([sys.executable, __file__, "--child-memory", str(k), "--size", str(size), "--threads",
+                              str(threads)], capture_output=True, text=True, check=True).stdout
+        peak[k] = float(out.strip().splitlines()[-1])
+    print(f"peak memory of a lora round (Ditto, every client training, {size}x{size}): 10 clients "
+          f"{peak[10]:.0f} MB, 100 clients {peak[100]:.0f} MB, 100 / 10 {peak[100] / peak[10]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--memory", action="store_true", help="also a 100-client round's peak memory against 10's")
+    ap.add_argument("--child-memory", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, default=64, help="EfficientNet-Lite0's input size (--pretrained-size)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the head/mlp comparison (the first encodes)")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
+    if a.child_memory:
+        return round_memory(a.child_memory, a.size, a.threads)
     torch.set_num_threads(a.threads)
     base = dict(dataset="digits", model="efficientnet-lite0", pretrained_size=a.size, clients=10, participation=1.0,
                 local_epochs=1, batch_size=a.batch, rounds=a.rounds + 1, seed=0, threads=a.threads)
@@ -77,6 +112,8 @@ def main() -> None:
           f"round 1 {t_head[0]:.2f} s (with it)")
     print(f"a round of 10 clients on the cached features: head {later_head * 1e3:.1f} ms, mlp over the features "
           f"{later_mlp * 1e3:.1f} ms, head / mlp {later_head / later_mlp:.2f}")
+    if a.memory:
+        memory(a.size, a.threads)
 
 
 if __name__ == "__main__":
