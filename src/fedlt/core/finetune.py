@@ -76,8 +76,9 @@ class Finetune:
                                      "separately) or ffa (FFA-LoRA: A fixed at its shared initialisation, only B "
                                      "trains and is averaged, which makes the mean exact)",
                             choices=LORA_AGG, group=TRAIN, reads=("spec",))
-    bn_stats: str = setting("frozen", "--finetune head/lora: BatchNorm's running statistics: frozen (the "
-                                      "pre-trained ones) or local (kept in each model, updated in training)",
+    bn_stats: str = setting("frozen", "--finetune lora: BatchNorm's running statistics: frozen (the pre-trained "
+                                      "ones, as under head) or local (kept in each model, updated in training; "
+                                      "FedBN keeps them per client)",
                             choices=BN_STATS, group=TRAIN, reads=("spec",))
 
 
@@ -396,9 +397,6 @@ class FeatureStore:
             rows = torch.arange(len(self.feats), device=self.done.device)[rows]
         self.ensure(rows)
         return self.feats[rows.to(self.feats.device)]
-
-    def __getstate__(self):  # a spawned worker encodes what it needs itself
-        return {k: v for k, v in self.__dict__.items()}
 
 
 def feature_prep(device):
