@@ -449,7 +449,8 @@ def _check_files(ref: str, d: Path) -> None:
         raise ConfigError(f"model hf:{ref}: {d} holds only a pickle checkpoint ({pickles[0]}), which fedlt does not "
                           f"read (unpickling can run code); use a model saved as safetensors (model.safetensors: "
                           f"save_pretrained writes it)")
-    raise ConfigError(f"model hf:{ref}: {d} holds no weights (model.safetensors)")
+    raise ConfigError(f"model hf:{ref}: {d} holds no safetensors weights (model.safetensors), the only format fedlt "
+                      f"reads; choose a model published as safetensors")
 
 
 def _read_json(path: Path) -> dict:
