@@ -11,7 +11,8 @@ messages:
    (``wait_timeout``), then writes ``config.json`` and ``partition.json``. SuperNodes that appear later (a
    restart) are described at the start of a round.
 2. every round, phase and evaluation of the driver: one message per client (``train`` with the round's lr,
-   ``train.phase``, ``evaluate`` with ``method.eval_payload``); the replies that come back within
+   ``train.phase``, ``evaluate`` with ``method.eval_payload``; where :meth:`GridTransport.rides` allows, a round's
+   evaluation goes with the next round's training message, ``train.evaluate``); the replies that come back within
    ``round_timeout`` count, failed or silent clients are recorded as missing. GM is computed on the server
    (balanced test set), PM on the clients, aggregated as the simulation does.
 3. the run directory, checkpoints and resume as for every engine (``fedlt.runner.rundir.run_recorded``), plus the
