@@ -3,10 +3,14 @@
 "CLIP-Guided Federated Learning on Heterogeneous and Long-Tailed Data" (Shi, Zhang, Lu, Wang & Cheung): CReFF's
 server-side classifier re-training, guided on both sides by a frozen CLIP.
 
-**This method needs pretrained CLIP files that fedlt cannot download**: ``clip_weights``, a safetensors file
-with a CLIP ViT image tower in OpenAI's layout, and ``text_embeddings``, a safetensors file whose tensor
-``text`` [C, e] holds one CLIP text embedding per class (e.g. of "a photo of a {class name}"). How to make them:
-``fedlt.core.clip`` and docs/methods-guide.md. Both are read as plain tensors (no code runs from a file).
+**This method needs pretrained CLIP files**: ``clip_weights``, a safetensors file with a CLIP ViT image tower in
+OpenAI's layout, and ``text_embeddings``, a safetensors file whose tensor ``text`` [C, e] holds one CLIP text
+embedding per class (e.g. of "a photo of a {class name}"). How to make them: ``fedlt.core.clip`` and
+docs/methods-guide.md. Both are read as plain tensors (no code runs from a file). Or, with the ``pretrained``
+extra, ``hf:<a CLIP model's hub id or directory>`` for both (e.g. ``hf:openai/clip-vit-base-patch32``): read
+through :mod:`fedlt.pretrained` (the hub's cache, safetensors only), the image tower converted to OpenAI's
+layout, the text embeddings those of "a photo of a {class}" for the dataset's class names (``--head
+clip-text``'s rows).
 
 Client k (CReFF's client, ``fedlt.methods.creff``, with a different local loss):
 1. per-class head gradients of real features under the received model and the re-trained head, uploaded;
@@ -81,7 +85,8 @@ class CLIP2FL(CReFF):
         p = self.p
         if not p.clip_weights or not p.text_embeddings:
             raise ConfigError("clip2fl needs pretrained CLIP files: --set clip_weights=PATH --set "
-                              "text_embeddings=PATH (safetensors; docs/methods-guide.md says how to make them)")
+                              "text_embeddings=PATH (safetensors; docs/methods-guide.md says how to make them), or "
+                              "both =hf:openai/clip-vit-base-patch32 (docs/pretrained.md)")
         self.text = load_text_embeddings(p.text_embeddings, spec.num_classes, spec.device,
                                          spec.data.get("class_names") or ())
         if p.contrast_alpha > 0 and self.text.shape[1] != self.net.feature_dim:

@@ -2,9 +2,11 @@
 Heterogeneous Data" -- federated visual prompt tuning of a frozen ViT-B/16 with a Gradient-Adaptive Prompt
 Adjuster (GPA) that re-weights each class's positive and negative gradients on the client.
 
-**This method needs pre-trained ViT weights that fedlt cannot download**: ``vit_weights``, a safetensors file with
-a ViT in timm's layout (``vit_base_patch16_224``; how to make it: ``fedlt.core.vit``). It is read as plain tensors
-(no code runs from the file), frozen, and never sent: only the prompts and the classifier travel.
+**This method needs pre-trained ViT weights**: ``vit_weights``, a safetensors file with a ViT in timm's layout
+(``vit_base_patch16_224``; how to make it: ``fedlt.core.vit``), or ``hf:<hub id or directory>``, a Hugging Face
+ViT read through :mod:`fedlt.pretrained` (the hub's cache, safetensors only; e.g. ``hf:google/vit-base-patch16-224``,
+with the ``pretrained`` extra) and converted to timm's layout. It is read as plain tensors (no code runs from a
+file), frozen, and never sent: only the prompts and the classifier travel.
 
 Model: the frozen ViT with deep visual prompts (P = ``tokens`` learnable tokens appended before every block and
 dropped after it, zeros at first), the class token's final representation as the feature, a linear classifier.
@@ -124,7 +126,8 @@ class FedGPA(Method):
         super().__init__(spec, params)
         if not self.p.vit_weights:
             raise ConfigError("fedgpa needs pre-trained ViT weights: --set vit_weights=PATH (a safetensors file in "
-                              "timm's layout; docs/methods-guide.md says how to make it)")
+                              "timm's layout; docs/methods-guide.md says how to make it) or --set "
+                              "vit_weights=hf:google/vit-base-patch16-224 (docs/pretrained.md)")
         self._tower = None
 
     @property
