@@ -91,6 +91,11 @@ def main(args) -> int:
 
         print("client-level DP (--dp client): " + verdict(cls, "client"))
         print("sample-level DP (--dp sample): " + verdict(cls, "sample"))
+        from ..core.finetune import finetune_refusal
+
+        for mode in ("head", "lora"):  # what a frozen pre-trained backbone leaves it (core.finetune)
+            why = finetune_refusal(cls, mode)
+            print(f"--finetune {mode}: " + (f"no, it {why}" if why else "yes"))
         return 0
     from ..api import list_methods
     from ..config import PRESETS
