@@ -161,6 +161,12 @@ class Transport(Protocol):
         """GM on the balanced test set and PM on the own test sets of ``clients`` (the run's evaluation
         sample); and the clients missing."""
 
+    # Optional (a transport whose exchanges cost a message each, Flower's): ``rides(method, rnd, clients)`` says
+    # whether round ``rnd``'s PM on ``clients`` can go with round rnd+1's training messages; then
+    # ``evaluate(..., ride=True)`` returns GM alone and keeps PM's payloads for the next training exchange, after
+    # which ``ridden()`` returns ({"personal": ..., "untested": ...}, the clients missing). Driver.run records the
+    # round once that part has come back.
+
     def keep_states_in(self, directory, fresh: bool = False) -> None:
         """The run directory's folder for the client states this transport keeps (spills, checkpoints);
         ``fresh``: a run that starts from round 0 (what an earlier run left there is removed)."""
@@ -215,6 +221,11 @@ class Driver:
         # called with (kind, index, replies) as every exchange's replies arrive, rounds and phases alike (what left
         # the clients: core.privacy checks it against the method's declaration, the run directory records it)
         self.on_replies: list[Callable[[str, int, Replies], None]] = [sends_check(method)]
+        # a round whose PM rides in the next round's training messages (Transport.rides): its record (GM done),
+        # the evaluation's tag and clients and the seconds it took so far; recorded once the next round's replies
+        # complete it (a checkpoint keeps it, and a resumed run sends its PM with that round again)
+        self.pending: dict | None = None
+        self.recorded: list[dict] = []  # the records this round's iteration added to the history (after_round reads)
 
     @property
     def dp(self):
@@ -241,7 +252,8 @@ class Driver:
         (fedlt.safefile.save_tree)."""
         return {"round": self.round, "state": tree_of(self.state), "client_states": self.transport.state_dict(),
                 "history": self.history, "missing": self.missing, "method": self.method.state_dict(),
-                "rng": rng_state(), **self.privacy.state_dict()}
+                "rng": rng_state(), **self.privacy.state_dict(),
+                **({} if self.pending is None else {"pending": self.pending})}
 
     def load_state_dict(self, d: dict) -> None:
         """Continue from a :meth:`state_dict`; ``run()`` then goes on with round ``d["round"] + 1``."""
@@ -252,6 +264,9 @@ class Driver:
         self.history = list(d["history"])
         self.missing = {k: list(v) for k, v in d.get("missing", {}).items()}
         self.method.load_state_dict(d.get("method", {}))
+        self.pending = d.get("pending")
+        if self.pending is not None:  # its PM goes with the next round's training messages, as it would have
+            self.transport.evaluate(self.method, self.state, self.cfg.split, self.pending["clients"], ride=True)
         self.privacy.load_state_dict(d)
         set_rng_state(d["rng"])
 
@@ -402,13 +417,22 @@ class Driver:
             self.exchange(phase, index, f"phase {phase}", late, lambda c: m.phase_configure(phase, state, c))
         self.phased.update(late)
 
-    def evaluate(self, tag: str = "final", clients: list[int] | None = None) -> dict:
+    def evaluate(self, tag: str = "final", clients: list[int] | None = None, ride: bool = False) -> dict:
         """GM, and PM over the evaluation sample (or ``clients``: any clients, brought through the
-        post-training phases first where those did not reach them)."""
+        post-training phases first where those did not reach them). ``ride``: PM goes with the next round's
+        training messages (:meth:`Transport.rides`): GM alone now, :meth:`pending` keeps the rest."""
         t0 = time.perf_counter()
         clients = self.eval_clients if clients is None else sorted(clients)
         self.catch_up(clients)
+        if ride:
+            ev, _ = self.transport.evaluate(self.method, self.state, self.cfg.split, clients, ride=True)
+            self.pending = {"tag": tag, "clients": clients, "time": time.perf_counter() - t0}
+            return ev
         ev, why = self.transport.evaluate(self.method, self.state, self.cfg.split, clients)
+        return self.evaluated(tag, clients, ev, why, time.perf_counter() - t0)
+
+    def evaluated(self, tag: str, clients: list[int], ev: dict, why: dict[int, str], seconds: float) -> dict:
+        """An evaluation's record completed: the clients missing, the sample's size, the notes, its time."""
         if why:
             ev["missing"] = sorted(why)
             self.note_missing(tag, why)
@@ -420,8 +444,22 @@ class Driver:
             if note not in self.said:  # once per run
                 self.said.add(note)
                 self.echo(f"note: {note}")
-        ev["eval_time"] = time.perf_counter() - t0
+        ev["eval_time"] = seconds
         return ev
+
+    def ridden(self) -> dict | None:
+        """The pending round's record (:attr:`pending`), completed by the PM that came back with this round's
+        training replies; None when no round was pending."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        t0 = time.perf_counter()
+        rec = pending["record"]
+        part, why = self.transport.ridden()
+        rec["eval"].update(part)
+        self.evaluated(pending["tag"], pending["clients"], rec["eval"], why,
+                       pending["time"] + time.perf_counter() - t0)
+        return rec
 
     def say_collapsed(self, tag: str, ev: dict) -> None:
         """One line, once per run, when a global model predicts one class for every balanced test sample: a run
@@ -454,14 +492,29 @@ class Driver:
                     self.echo(why)
                     break
                 rec = self.train_round()
+                done = self.ridden()  # the previous round, whose PM came back with this round's replies
+                self.recorded = []
+                if done is not None:
+                    last = headline(done["eval"])
+                    with self.round_end():
+                        self.history.append(done)
+                        self.log(done)
+                        self.recorded.append(done)
                 for hook in self.after_train:
                     hook(self, rec)
+                rides = getattr(self.transport, "rides", None)
                 if is_eval_round(self.round, cfg.eval_every, cfg.rounds):
-                    rec["eval"] = self.evaluate(f"eval {self.round}")
-                    last = headline(rec["eval"])
+                    ride = rides is not None and rides(self.method, self.round, self.eval_clients)
+                    rec["eval"] = self.evaluate(f"eval {self.round}", ride=ride)
+                    if ride:
+                        self.pending["record"] = rec
+                    else:
+                        last = headline(rec["eval"])
                 with self.round_end():
-                    self.history.append(rec)
-                    self.log(rec)
+                    if self.pending is None:
+                        self.history.append(rec)
+                        self.log(rec)
+                        self.recorded.append(rec)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix({k: f"{v:.3f}" for k, v in last.items() if v is not None} |
