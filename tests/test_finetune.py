@@ -288,3 +288,20 @@ def test_dp_and_secagg_cover_exactly_what_trains(vit, mode, privacy):
     assert replies and all(set(r.arrays) <= keys for _, r in replies)
     assert set(sim.state.weights) == keys
     assert any(not torch.equal(before[k], sim.state.weights[k]) for k in keys)
+
+
+def test_a_supernodes_own_data_is_encoded_under_head(vit, tmp_path):
+    """A SuperNode serving its own directory (data-dir=DIR): the images are checked against the data's shape and
+    its samples become the frozen backbone's features, as the partition's do."""
+    pytest.importorskip("flwr")
+    import numpy as np
+
+    from fedlt.engine.flower.client_app import load_client_dir
+
+    pr, _ = _prepared(vit, finetune="head")
+    c0 = pr.fed.clients[0]
+    raw = federation_for(small_config(**{**ONE_ROUND, "model": vit})).clients[0]
+    np.savez(tmp_path / "train.npz", x=raw.x.numpy(), y=raw.y.numpy())
+    own = finetune.feature_client(load_client_dir(str(tmp_path), 0, pr.spec, raw.prep), pr.spec)
+    assert own.x.shape == (len(raw), WIDTH)
+    assert torch.allclose(own.x, c0.x, atol=1e-5)  # the partition's client 0, encoded the same way

@@ -420,6 +420,17 @@ class FeatureViews:
         return c
 
 
+def feature_client(c, spec):
+    """One client's data (a SuperNode's own directory) with its samples as features, as :func:`feature_federation`
+    makes a federation's."""
+    stores = {id(t): FeatureStore(t, c.prep, spec) for t in (c._x, c._tx)}
+    out = FeatureViews([c], stores, feature_prep(c.prep.device))(0)
+    if out.rows is None:  # its own samples: rows of its stores, so that every read goes through them
+        out.rows = torch.arange(len(out.y), device=out._x.device)
+        out.test_rows = torch.arange(len(out.test_y), device=out._tx.device)
+    return out
+
+
 class FeatureFederation(Federation):
     """A federation whose samples are features (:func:`feature_federation`): its input shape is theirs."""
 

@@ -81,7 +81,7 @@ from ...config import RunConfig
 from ...core.dp import STATS_CLIP, class_means, client_reply, phase_reply
 from ...core.privacy import engine_match
 from ...core.dpsgd import SampleDP, reads_counts, riders
-from ...core.finetune import feature_federation
+from ...core.finetune import feature_client, feature_federation, input_shape
 from ...core.method import Message, Method, RunSpec
 from ...core.noise import noise_seed
 from ...core.spec import milestones_text
@@ -197,9 +197,9 @@ def load_client_dir(path: str, cid: int, spec: RunSpec, prep: Prep) -> ClientDat
             raise DataError(f"{f} is not a readable npz with arrays x and y: {e}") from None
         if x.ndim == 3:
             x = x[:, None]
-        if tuple(x.shape[1:]) != tuple(spec.in_shape) or len(x) != len(y):
+        if tuple(x.shape[1:]) != input_shape(spec) or len(x) != len(y):
             raise DataError(f"{f}: x has shape {x.shape} and y {y.shape}; the run expects [N, "
-                            f"{', '.join(map(str, spec.in_shape))}] images and N labels")
+                            f"{', '.join(map(str, input_shape(spec)))}] images and N labels")
         if len(y) and (y.min() < 0 or y.max() >= spec.num_classes):
             raise DataError(f"{f}: labels must be in 0..{spec.num_classes - 1}")
         return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
@@ -243,6 +243,8 @@ class Node:
             if key not in _DATA:
                 prep = Prep(tuple(job.prep["mean"]), tuple(job.prep["std"]), job.prep["augment"], device)
                 _DATA[key] = load_client_dir(str(data_dir), cid, method.spec, prep)
+                if method.spec.finetune == "head":  # its samples as the frozen backbone's features (core.finetune)
+                    _DATA[key] = feature_client(_DATA[key], method.spec)
             data = _DATA[key]
         else:
             raise ConfigError("the SuperNode's --node-config needs partition-id=K (a client of the fedlt "
