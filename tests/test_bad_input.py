@@ -304,7 +304,7 @@ DP_CLIENT = ["--dp", "client", "--dp-clip", "1"]
     (DP_CLIENT + ["--dp-epsilon", "1e-6", "--dp-delta", "1e-5"], "nothing can train"),
     (DP_CLIENT + ["--dp-noise", "1", "--dp-budget", "0.001"], "below the first round's epsilon"),
     (DP_CLIENT + ["--dp-noise", "1", "--dp-delta", "0.25"], "is not below 1 / 4"),
-    (DP_SAMPLE + ["--dp-epsilon", "1e-6"], "cannot be met"),
+    (DP_SAMPLE + ["--dp-epsilon", "1e-6"], "nothing can train"),  # solved (dp-accounting), then too noisy to train
     (DP_SAMPLE + ["--dp-noise", "40"], "nothing can train"),
     (DP_SAMPLE + ["--dp-noise", "1", "--dp-budget", "0.001"], "below the first round's epsilon"),
     (DP_SAMPLE + ["--dp-noise", "1", "--dp-delta", "0.05"], "--dp-delta 0.05 is not below 1 /"),

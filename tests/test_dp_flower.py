@@ -197,7 +197,7 @@ def test_dp_sgd_on_flower_is_the_simulators_run_and_only_the_model_and_the_accou
 
 
 def test_the_server_keeps_the_accountants_from_what_arrives_and_refuses_a_reply_without_entries():
-    """SampleDP.arrived: the clients' entries continue their accountants as opacus's step merges them (the epsilon of
+    """SampleDP.arrived: the clients' entries continue their ledgers, merged as the step hook merges them (the epsilon of
     one client trained here equals the accountant's of the entries sent); a reply without entries, with other meta,
     or whose entries do not have the rate or noise its size and the run's settings give, is not used, in one line."""
     from fedlt.core.dpsgd import HISTORY, SampleDP, epsilon_of

@@ -95,6 +95,41 @@ ACCOUNTANTS = {"rdp": "rdp.RdpAccountant (orders 2-255, 256, 512, 1024)",
                "pld": f"pld.PLDAccountant (value_discretization_interval {PLD_INTERVAL:g})"}
 
 
+def fresh_accountant(accountant: str = "rdp"):
+    """A new dp-accounting accountant: its RdpAccountant over :data:`ORDERS` (``rdp``), or its privacy-loss-distribution
+    accountant (``pld``). The one accountant library of both levels (``--dp client`` and ``--dp sample``)."""
+    require()
+    if accountant == "pld":
+        from dp_accounting import pld
+
+        return pld.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
+    from dp_accounting import rdp
+
+    return rdp.RdpAccountant(list(ORDERS))
+
+
+def gaussian_steps(history) -> Any:
+    """The dp-accounting event of a history of Poisson-sampled Gaussian mechanisms ``[(noise multiplier, sampling
+    rate, times)]`` (a round of ``--dp client``, a DP-SGD step of ``--dp sample``), composed in order."""
+    dpa = require()
+    return dpa.ComposedDpEvent([dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(float(q), dpa.GaussianDpEvent(
+        float(z))), int(n)) for z, q, n in history if n > 0])
+
+
+def calibrated(target: float, delta: float, history_of, accountant: str = "rdp", tol: float = 1e-6) -> float:
+    """The smallest noise multiplier ``z`` (within ``tol``) whose history ``history_of(z)`` is (``target``,
+    ``delta``)-DP by ``accountant``: dp-accounting's ``calibrate_dp_mechanism``; None where no noise below
+    2^30 meets it."""
+    require()
+    from dp_accounting import mechanism_calibration as mc
+
+    try:
+        return float(mc.calibrate_dp_mechanism(lambda: fresh_accountant(accountant),
+                                               lambda z: gaussian_steps(history_of(z)), target, delta, tol=tol))
+    except mc.NoBracketIntervalFoundError:
+        return None
+
+
 @functools.lru_cache(maxsize=4096)
 def epsilon(noise: float, rate: float, rounds: int, delta: float, accountant: str = "rdp") -> float:
     """The epsilon after ``rounds`` rounds of Poisson-sampled (``rate``) Gaussian noise of multiplier ``noise``,
@@ -102,17 +137,7 @@ def epsilon(noise: float, rate: float, rounds: int, delta: float, accountant: st
     accountant (``pld``: tighter; a tenth of a second a call). 0 rounds: 0."""
     if rounds <= 0:
         return 0.0
-    dpa = require()
-    if accountant == "pld":
-        from dp_accounting import pld
-
-        acc = pld.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
-    else:
-        from dp_accounting import rdp
-
-        acc = rdp.RdpAccountant(list(ORDERS))
-    acc.compose(dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(noise)), int(rounds))
-    return float(acc.get_epsilon(delta))
+    return float(fresh_accountant(accountant).compose(gaussian_steps([(noise, rate, rounds)])).get_epsilon(delta))
 
 
 DELTA_CAP = 1e-5  # the default delta's ceiling: the delta of Abadi et al. (CCS 2016) and of most DP-SGD reports
@@ -144,18 +169,13 @@ def delta_problem(delta: float, units: int, unit: str, what: str) -> str | None:
 
 @functools.lru_cache(maxsize=64)
 def noise_for(target: float, rate: float, rounds: int, delta: float, accountant: str = "rdp") -> float:
-    """The smallest noise multiplier (to 0.1 %) whose epsilon after ``rounds`` rounds is at most ``target``, by
-    ``accountant`` (:func:`epsilon`)."""
-    lo, hi = 0.0, 1.0
-    while epsilon(hi, rate, rounds, delta, accountant) > target:
-        lo, hi = hi, hi * 2
-        if hi > 1e6:
-            raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {rounds} rounds at sampling rate "
-                              f"{rate:g}: raise it, or train fewer rounds or fewer clients a round")
-    while hi - lo > 1e-3 * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if epsilon(mid, rate, rounds, delta, accountant) > target else (lo, mid)
-    return hi
+    """The smallest noise multiplier whose epsilon after ``rounds`` rounds is at most ``target``, by ``accountant``
+    (:func:`calibrated`: dp-accounting's ``calibrate_dp_mechanism``)."""
+    z = calibrated(target, delta, lambda z: [(z, rate, rounds)], accountant)
+    if z is None:
+        raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {rounds} rounds at sampling rate "
+                          f"{rate:g}: raise it, or train fewer rounds or fewer clients a round")
+    return z
 
 
 def update_noise(noise: float, count_noise: float | None = None, releases: int = 1) -> float:

@@ -18,11 +18,13 @@ A client's local training -- the method's described steps (:class:`fedlt.core.st
 - **clip, noise, average**: opacus's ``DPOptimizer`` around the step's SGD: each sample's gradient (over every
   trained tensor) clipped to L2 norm ``C`` (``--dp-clip``), ``N(0, (z C)^2 I)`` added to the batch's sum, divided by
   the expected batch size ``n q``; then the run's SGD step (momentum, weight decay: post-processing);
-- **the accountant**: opacus's ``RDPAccountant``, one per client, stepped by the optimiser's hook at every step
-  (its history: ``(z, q, steps)``), converted to epsilon at ``delta`` over opacus's default orders.
+- **the accountant**: dp-accounting's ``RdpAccountant`` (the library of ``--dp client``, :mod:`fedlt.core.dp`, one for
+  both levels), one per client: the optimiser's step hook composes every step into the client's ledger
+  ``[(z, q, steps)]`` (:func:`composed`), a ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` per step, converted to
+  epsilon at ``delta`` over :data:`fedlt.core.dp.ORDERS`.
 
 The noise multiplier: ``--dp-noise z`` for every client, or ``--dp-epsilon E``: each client's own ``z_i`` solved by
-opacus's ``get_noise_multiplier`` for its ``q_i`` and its steps over the whole run (its rounds in the sampling
+dp-accounting's ``calibrate_dp_mechanism`` for its ``q_i`` and its steps over the whole run (its rounds in the sampling
 schedule, which is drawn from the seed before the run, times its steps a round), so that every client ends at or
 below ``E``. ``delta``: ``--dp-delta``, else ``1 / n_max^1.1`` for every client (``n_max``: the largest client's
 number of samples), below ``1 / n_i`` for every client.
@@ -227,9 +229,11 @@ def batches_per_epoch(n: int, batch_size: int) -> int:
     return max(1, len(batch_bounds(n, batch_size)))
 
 
-def extended(history: list, entries) -> list:
-    """``history`` with ``entries`` appended as opacus's ``RDPAccountant.step`` would have stepped them: an entry with
-    the last one's noise multiplier and sample rate adds its steps to it."""
+def composed(history: list, entries) -> list:
+    """A client's ledger ``history`` (``[(noise multiplier, sample rate, steps)]``, what its accountant composes:
+    :func:`fedlt.core.dp.gaussian_steps`) with ``entries`` composed after it, an entry with the last one's noise
+    multiplier and sample rate adding its steps to it (the ledger stays a few entries long: the optimiser's step
+    hook composes every step, :meth:`SampleDP.run_steps`)."""
     out = [tuple(h) for h in history]
     for z, q, n in entries:
         if out and out[-1][:2] == (z, q):
@@ -253,56 +257,30 @@ def entries_of(cid: int, meta: dict) -> list | str:
 
 @functools.lru_cache(maxsize=4096)
 def epsilon_of(history: tuple, delta: float) -> float:
-    """opacus's ``RDPAccountant.get_epsilon(delta)`` for a history of ``(noise_multiplier, sample_rate, steps)``."""
-    from opacus.accountants import RDPAccountant
+    """The epsilon at ``delta`` of a history of ``(noise_multiplier, sample_rate, steps)``: dp-accounting's
+    RdpAccountant, as ``--dp client``'s (:func:`fedlt.core.dp.fresh_accountant`)."""
+    from .dp import fresh_accountant, gaussian_steps
 
-    acc = RDPAccountant()
-    acc.history = [tuple(h) for h in history]
-    return float(acc.get_epsilon(delta))
+    return float(fresh_accountant("rdp").compose(gaussian_steps(history)).get_epsilon(delta))
 
 
 @functools.lru_cache(maxsize=4096)
 def noise_for(target: float, delta: float, rate: float, steps: int, prefix: tuple = ()) -> float:
-    """opacus's ``get_noise_multiplier`` (RDP, its tolerance 0.01): the noise whose epsilon after ``steps`` steps at
-    ``rate`` is at most ``target``; a budget it cannot meet is one line. ``prefix``: accountant entries before the
-    steps (the class counts' release, :meth:`SampleDP.prefix`), solved for by opacus's own bisection over the whole
-    history."""
-    from opacus.accountants.utils import get_noise_multiplier
+    """The smallest noise multiplier whose epsilon after ``steps`` steps at ``rate`` is at most ``target``
+    (dp-accounting's ``calibrate_dp_mechanism``, :func:`fedlt.core.dp.calibrated`), after ``prefix``: accountant
+    entries before the steps (the class counts' release, :meth:`SampleDP.prefix`); a budget it cannot meet is one
+    line."""
+    from .dp import calibrated
 
-    if prefix:
-        return _noise_after(target, delta, rate, steps, tuple(map(tuple, prefix)))
-    try:
-        return float(get_noise_multiplier(target_epsilon=target, target_delta=delta, sample_rate=rate, steps=steps,
-                                          accountant="rdp"))
-    except ValueError:
-        raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {steps} DP-SGD steps at sampling rate "
-                          f"{rate:.3g}: raise it, or train fewer rounds or local epochs") from None
-
-
-def _noise_after(target: float, delta: float, rate: float, steps: int, prefix: tuple, tol: float = 0.01) -> float:
-    """:func:`noise_for` after ``prefix``: get_noise_multiplier's own search (sigma doubled from 10 until the epsilon
-    is below ``target``, then bisected from [0, sigma] until it is within ``tol`` below it), on the history
-    ``prefix + ((sigma, rate, steps),)``."""
-    alone = epsilon_of(prefix, delta)
-    if alone >= target:
+    prefix = tuple(map(tuple, prefix))
+    if prefix and (alone := epsilon_of(prefix, delta)) >= target:
         raise ConfigError(f"--dp-epsilon {target:g}: the class counts' release alone spends {alone:.3g} "
                           f"(--dp-counts-noise {prefix[0][0]:g}); raise --dp-epsilon or --dp-counts-noise")
-    eps = lambda z: epsilon_of(prefix + ((z, rate, steps),), delta)  # noqa: E731
-    low, high, eps_high = 0.0, 10.0, float("inf")
-    while eps_high > target:
-        high *= 2
-        eps_high = eps(high)
-        if high > 1e6:  # opacus's MAX_SIGMA
-            raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {steps} DP-SGD steps at sampling rate "
-                              f"{rate:.3g}: raise it, or train fewer rounds or local epochs")
-    while target - eps_high > tol:
-        mid = (low + high) / 2
-        e = eps(mid)
-        if e < target:
-            high, eps_high = mid, e
-        else:
-            low = mid
-    return high
+    z = calibrated(target, delta, lambda z: [*prefix, (z, rate, steps)])
+    if z is None:
+        raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {steps} DP-SGD steps at sampling rate "
+                          f"{rate:.3g}: raise it, or train fewer rounds or local epochs")
+    return z
 
 
 def per_sample_grads(method, steps: LocalSteps, run: StepRun, part_names: list[str]) -> Callable:
@@ -474,8 +452,7 @@ class SampleDP:
 
     def run_steps(self, method, steps: LocalSteps, data, gen: torch.Generator, lr: float | None = None) -> Trained:
         """One client's described steps as DP-SGD (the module doc): Poisson batches, per-sample gradients, opacus's
-        DPOptimizer around the run's SGD, the client's accountant stepped at every step."""
-        from opacus.accountants import RDPAccountant
+        DPOptimizer around the run's SGD, its step hook composing every step into the client's ledger."""
         from opacus.optimizers import DPOptimizer
         from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
@@ -495,9 +472,12 @@ class SampleDP:
                                                             keyed_seed(self.key, cid, draw))
         opt = DPOptimizer(run.opt, noise_multiplier=z, max_grad_norm=self.clip, expected_batch_size=n * rate,
                           generator=noise_gen)
-        acc = RDPAccountant()
-        acc.history = [tuple(h) for h in self.history_of(cid)]
-        opt.attach_step_hook(acc.get_optimizer_hook_fn(sample_rate=rate))
+        ledger = [tuple(h) for h in self.history_of(cid)]
+
+        def step_hook(optim) -> None:  # each step: one Poisson-sampled Gaussian mechanism, into the ledger
+            ledger[:] = composed(ledger, [(optim.noise_multiplier, rate * optim.accumulated_iterations, 1)])
+
+        opt.attach_step_hook(step_hook)
         part_names: list[str] = []
         grads_of = per_sample_grads(method, steps, run, part_names)
         sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=rate, generator=gen, steps=L)
@@ -521,7 +501,7 @@ class SampleDP:
                 done += 1
         for t in trained:  # nothing of the per-sample gradients outlives the steps
             t.grad_sample = t.summed_grad = None
-        self.histories[cid], self.rates[cid] = [tuple(h) for h in acc.history], rate
+        self.histories[cid], self.rates[cid] = ledger, rate
         if norms:
             self.norms.append(torch.cat(norms).detach().cpu())
         means = meter.mean() if meter.steps else [0.0] * (1 + len(part_names))
@@ -566,7 +546,7 @@ class SampleDP:
             if cid in why:
                 continue
             if entries:
-                self.histories[cid] = extended(self.histories.get(cid, []), entries)
+                self.histories[cid] = composed(self.histories.get(cid, []), entries)
                 self.noises[cid], self.rates[cid] = entries[-1][0], entries[-1][1]
                 self.steps_of[cid] = sum(n for _, _, n in entries)
             out.append((cid, reply))
@@ -584,7 +564,7 @@ class SampleDP:
             if not rest or (rest[0][0], rest[0][1]) != (z0, q0):
                 return (f"client {cid}'s accountant entries {entries} do not begin with the release of its class "
                         f"counts ({z0:g}, {q0:g}, 1): its SuperNode runs another fedlt or other settings")
-            # the release, then the steps (opacus merges steps of the same noise and rate into its entry)
+            # the release, then the steps (the ledger merges steps of the same noise and rate into one entry)
             rest = ([(z0, q0, rest[0][2] - 1)] if rest[0][2] > 1 else []) + rest[1:]
         steps = sum(n for _, _, n in rest)
         if any(q != 1.0 / L for _, q, _ in rest) or steps % L:
@@ -672,7 +652,11 @@ class SampleDP:
 
     def table(self, rounds: int) -> dict:
         """summary.json's ``dp``: the worst client's epsilon, and every client's accountant inputs, to recompute
-        each with opacus."""
+        each with dp-accounting (:func:`epsilon_of`)."""
+        from importlib.metadata import version
+
+        from .dp import ACCOUNTANTS
+
         opacus = require().__version__
         sizes = np.asarray(self.sizes())
         worst, eps = self.worst()
@@ -696,5 +680,7 @@ class SampleDP:
                               "changes by 1: each history begins with (counts_noise, 1, 1))"}),
                 "mechanism": f"opacus {opacus} DPOptimizer: per-sample gradients clipped to clip, "
                              f"N(0, (noise_multiplier clip)^2) on their sum, divided by samples x sample_rate",
-                "accountant": f"opacus {opacus} RDPAccountant (its default orders), one per client, "
-                              f"history [(noise_multiplier, sample_rate, steps)], get_epsilon(delta)"}
+                "accountant": f"dp-accounting {version('dp-accounting')} {ACCOUNTANTS['rdp']}, one per client, "
+                              f"composing PoissonSampledDpEvent(sample_rate, GaussianDpEvent(noise_multiplier)) "
+                              f"steps times for each entry of its history [(noise_multiplier, sample_rate, steps)] "
+                              f"(opacus's DPOptimizer step hook composes every step into it), get_epsilon(delta)"}
