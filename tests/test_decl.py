@@ -297,3 +297,37 @@ def test_each_partition_declares_the_run_settings_it_reads():
     assert partitions_reading("balance") == ["dirichlet", "pathological"]
     with pytest.raises(ConfigError, match="--balance applies to the dirichlet and pathological partitions, not iid"):
         load_config(overrides={"balance": True, "partition": "iid"})
+
+
+@dataclass
+class Gated:
+    mode: str = setting("off", "a mode", choices=("off", "a", "b"))
+    on: bool = setting(False, "a switch")
+    q: float | None = setting(None, "a quantile", low=0, low_open=True, high=1, high_open=True, metavar="Q")
+    clip: float = setting(1.0, "only with a mode", low=0, low_open=True, only_with=("mode", ("a", "b")))
+    seed: str | None = setting(None, "only with mode a", choices=("run", "key"), only_with=("mode", ("a",),
+                                                                                              {"mode": "b"}))
+    width: int = setting(4, "only with the switch", low=2, only_with=("on", (True,)))
+    lr: float = setting(0.2, "only with q", low=0, low_open=True, only_with=("q", "given"))
+
+
+def test_only_with_generates_the_applies_only_when_relations_their_messages_and_bad_examples():
+    from fedlt.decl import check_relations, check_values, only_with_relations
+
+    rels = {r.setting: r for r in only_with_relations(Gated)}
+    assert set(rels) == {"clip", "seed", "width", "lr"} and all(r.kind == "applies only when" for r in rels.values())
+    assert rels["clip"].error(Gated()) == "--clip applies to --mode a and --mode b; add one or drop it"
+    assert rels["seed"].error(Gated()) == "--seed applies to --mode a; add --mode a or drop it"
+    assert rels["width"].error(Gated()) == "--width applies to --on; add --on or drop it"
+    assert rels["lr"].error(Gated()) == "--lr applies to --q Q; add --q Q or drop it"
+    assert rels["seed"].bad == ({"seed": "run"}, {"mode": "b", "seed": "run"})
+    for name, r in rels.items():  # every bad example: a value the setting takes, other than its default, refused
+        for bad in r.bad:
+            cfg = Gated(**bad)
+            check_values(cfg)  # the example is a value the declaration allows
+            assert getattr(cfg, name) != getattr(Gated(), name)
+            with pytest.raises(ConfigError, match=f"^--{name} applies to"):
+                check_relations(cfg, [r])
+    ok = [Gated(mode="a", clip=2.0, seed="key"), Gated(on=True, width=8), Gated(q=0.5, lr=1.0), Gated()]
+    for cfg in ok:  # where the other takes it, or at its default: nothing to refuse
+        check_relations(cfg, rels.values())

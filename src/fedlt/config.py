@@ -20,9 +20,9 @@ from .core import secagg
 from .core.finetune import finetune_refusal
 from .core.spec import LR_SCHEDULES, RunSpec, milestones_text, parse_milestones, scheduled_lr
 from .pretrained import is_clip, is_pretrained
-from .decl import (DATA, FLOAT32_MAX, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
-                   check_relations, check_values, coerce, declared_in, excludes, requires, rows, settings_of, setting,
-                   show, words)
+from .decl import (DATA, FLOAT32_MAX, GIVEN, INT32, OUTPUT, TRAIN, Relation, applies_when, byte_size, check,
+                   check_relations, check_values, coerce, declared_in, excludes, only_with_relations, requires, rows,
+                   settings_of, setting, show, words)
 from .errors import ConfigError
 from .papers import presets as paper_presets
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS
@@ -40,8 +40,12 @@ def _zero_noise_hint(z: float) -> str:
             "noise such as 1e-6, whose epsilon says what it protects") if z == 0 else ""
 
 
-# experiment trackers (fedlt.runner.trackers): the package each needs, and how to install it
 PRIVACY = "privacy"
+# the settings that apply only with --dp, --dp client or --secagg (Decl.only_with: decl generates their relations);
+# a client-level one's second bad example runs --dp sample
+DP_ON, SECAGG_ON = ("dp", ("client", "sample")), ("secagg", (True,))
+DP_CLIENT = ("dp", ("client",), {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0})
+# experiment trackers (fedlt.runner.trackers): the package each needs, and how to install it
 TRACKERS = {"mlflow": ("mlflow", "pip install 'fedlt[mlflow]'"), "wandb": ("wandb", "pip install 'fedlt[wandb]'"),
             "tensorboard": ("tensorboard", "pip install 'fedlt[tensorboard]'")}
 
@@ -198,40 +202,42 @@ class RunConfig:
     # differential privacy (fedlt.core.dp, fedlt.core.dpsgd, docs/differential-privacy.md)
     dp: str = setting("off", "differential privacy: client (DP-FedAvg: each client's update clipped, Gaussian "
                              "noise on their sum, Poisson sampling, an RDP accountant), sample (DP-SGD on each "
-                             "client with opacus: per-sample gradients clipped and noised, an accountant per "
+                             "client with opacus: per-sample gradients clipped and noised, an RDP accountant per "
                              "client) or off", choices=("off", "client", "sample"), group=PRIVACY, reads=("engine",))
     dp_clip: float | None = setting(None, "--dp client: the L2 norm each client's update is clipped to; --dp "
                                           "sample: each sample's gradient", low=0, low_open=True, metavar="C",
-                                    group=PRIVACY, reads=("engine",), none_means="required with --dp")
+                                    group=PRIVACY, reads=("engine",), none_means="required with --dp", only_with=DP_ON)
     dp_noise: float | None = setting(None, "the noise multiplier z (--dp client: noise std z x clip on the sum of "
                                            "the updates; --dp sample: on each step's sum of per-sample gradients)",
                                      low=0, low_open=True, metavar="Z", group=PRIVACY, reads=("engine",),
-                                     hint=_zero_noise_hint, none_means="solved from --dp-epsilon")
+                                     hint=_zero_noise_hint, none_means="solved from --dp-epsilon", only_with=DP_ON)
     dp_epsilon: float | None = setting(None, "the epsilon the whole run may spend; the noise is solved for it (--dp "
                                              "client: for the rounds and the sampling rate; --dp sample: for each "
                                              "client, its sampling rate and its steps in the run)", low=0,
                                        low_open=True, metavar="E", group=PRIVACY, reads=("engine",),
-                                       none_means="from --dp-noise")
+                                       none_means="from --dp-noise", only_with=DP_ON)
     dp_delta: float | None = setting(None, "delta of (epsilon, delta)-DP", low=0, low_open=True,
                                      high=1, high_open=True, metavar="D", group=PRIVACY, reads=("engine",),
                                      none_means="min(1e-5, 1 / (10 K)), K: --dp client the clients, --dp sample "
-                                                "the largest client's samples; a given one must be below 1 / K")
+                                                "the largest client's samples; a given one must be below 1 / K",
+                                     only_with=DP_ON)
     dp_clip_quantile: float | None = setting(None, "--dp client: adaptive clipping (Andrew et al. 2021): the share "
                                                    "of updates the clip should leave unclipped; --dp-clip is then "
                                                    "the first round's clip", low=0, low_open=True, high=1,
                                              high_open=True, metavar="Q", group=PRIVACY, reads=("engine",),
-                                             none_means="a fixed clip")
+                                             none_means="a fixed clip", only_with=DP_CLIENT)
     dp_clip_lr: float = setting(0.2, "--dp-clip-quantile: the clip's geometric learning rate (C *= exp(-lr (unclipped "
                                      "share - Q)))", low=0, low_open=True, limit=10, metavar="LR", group=PRIVACY,
-                                reads=("engine",))
+                                reads=("engine",), only_with=("dp_clip_quantile", GIVEN))
     dp_count_noise: float | None = setting(None, "--dp-clip-quantile: the std of the Gaussian noise on the count of "
                                                  "unclipped updates", low=0, low_open=True, metavar="S",
                                            group=PRIVACY, reads=("engine",),
-                                           none_means="the expected clients a round / 20 (Andrew et al.)")
+                                           none_means="the expected clients a round / 20 (Andrew et al.)",
+                                           only_with=("dp_clip_quantile", GIVEN))
     dp_stats_clip: float = setting(STATS_CLIP, "--dp client: the L2 norm each client's class statistics are clipped "
                                                "to, for a method that declares them privatised as noised per-class "
                                                "means (CReFF's, RedGrape's per-class gradients)", low=0,
-                                   low_open=True, metavar="C", group=PRIVACY, reads=("engine",))
+                                   low_open=True, metavar="C", group=PRIVACY, reads=("engine",), only_with=DP_CLIENT)
     dp_accountant: str = setting("rdp", "--dp client: the accountant (Google's dp-accounting): rdp (Renyi DP, the "
                                         "one Flower's DP uses) or pld (privacy loss distributions: a tighter epsilon, "
                                         "so less noise for the same --dp-epsilon; a tenth of a second a round)",
@@ -239,7 +245,7 @@ class RunConfig:
     dp_budget: float | None = setting(None, "stop (cleanly, exit 0) before a round whose epsilon (--dp sample: "
                                             "its worst client's) would pass this", low=0, low_open=True,
                                       metavar="E", group=PRIVACY,
-                                      reads=("engine",), none_means="no budget")
+                                      reads=("engine",), none_means="no budget", only_with=DP_ON)
     dp_counts_noise: float = setting(COUNTS_NOISE, lambda: "--dp sample: the std, in samples, of the Gaussian noise on "
                                      "each class count of a client whose method's loss reads its counts ("
                                      f"{words(counts_methods(), 'and')}): drawn once, counted in the client's "
@@ -255,30 +261,31 @@ class RunConfig:
                                         reads=("engine",),
                                         none_means="the engine's: run where fedlt runs every client (fedlt run, "
                                                    "fedlt flower inprocess and simulate), secret on a deployment "
-                                                   "(fedlt flower run with SuperNodes)")
+                                                   "(fedlt flower run with SuperNodes)", only_with=DP_ON)
     # secure aggregation (fedlt.core.secagg, docs/secure-aggregation.md): Flower's SecAgg+ and its parameters
     secagg: bool = setting(False, "secure aggregation: Flower's SecAgg+ masks each client's update, the server "
                                   "learns only their weighted mean (on Flower the protocol itself, in `fedlt run` its "
                                   "arithmetic)", group=PRIVACY, reads=("engine",))
     secagg_shares: int | None = setting(None, "--secagg: SecAgg+'s num_shares, how many of a round's clients (itself "
                                               "included) hold shares of each client's secrets", low=3, high=INT32,
-                                        metavar="N", group=PRIVACY, reads=("engine",),
+                                        metavar="N", group=PRIVACY, reads=("engine",), only_with=SECAGG_ON,
                                         none_means="every client of the round")
     secagg_threshold: int | None = setting(None, "--secagg: SecAgg+'s reconstruction_threshold, how many shares "
                                                  "rebuild a secret: every client needs this many of its share-holders "
                                                  "to stay, else the round is not aggregated", low=2, high=INT32,
-                                           metavar="T", group=PRIVACY, reads=("engine",),
+                                           metavar="T", group=PRIVACY, reads=("engine",), only_with=SECAGG_ON,
                                            none_means="a majority of the shares")
     secagg_clip_range: float = setting(8.0, "--secagg: SecAgg+'s clipping_range, each weighted update entry is "
                                             "clipped to [-R, R] before it is quantised", low=0, low_open=True,
-                                       high=FLOAT32_MAX, metavar="R", group=PRIVACY, reads=("engine",))
+                                       high=FLOAT32_MAX, metavar="R", group=PRIVACY, reads=("engine",),
+                                       only_with=SECAGG_ON)
     secagg_levels: int = setting(2 ** 22, "--secagg: SecAgg+'s quantization_range, the integer levels [-R, R] is "
                                           "quantised to (one level: 2R / levels)", low=2, high=INT32, metavar="L",
-                                 group=PRIVACY, reads=("engine",))
+                                 group=PRIVACY, reads=("engine",), only_with=SECAGG_ON)
     secagg_max_weight: float | None = setting(None, "--secagg: SecAgg+'s max_weight, the weight (num_examples) "
                                                     "that scales an update by 1 (smaller ones are scaled down before "
                                                     "quantisation)", low=0, low_open=True, high=FLOAT32_MAX,
-                                              metavar="W", group=PRIVACY, reads=("engine",),
+                                              metavar="W", group=PRIVACY, reads=("engine",), only_with=SECAGG_ON,
                                               none_means="the largest training set of the round's clients (1 under "
                                                          "--dp client)")
     # evaluation and output
@@ -547,12 +554,6 @@ def share_problem(name: str, value: float, clients: int, what: str = "") -> str 
         return (f"{name} {value:g} of {clients} clients is less than one client; use at least "
                 f"{1 / clients:.3g} (one client), or a count: 1, 2, ...")
     return None
-
-
-def fraction_or_count(name: str, value: float, clients: int, what: str = "") -> None:
-    problem = share_problem(name, value, clients, what)
-    if problem:
-        raise ConfigError(problem)
 
 
 def clients_per_round(num_clients: int, participation: float, what: str = "participation") -> int:
@@ -828,16 +829,10 @@ RELATIONS: list[Relation] = [
                        f"{worker_count(c) * (c.threads or 1)} threads, past the {available_cores()} cores this process "
                        f"may use; lower --workers or --threads (or use --workers auto)",
              when=lambda c: worker_count(c) > 0, others=("threads",), bad=({"workers": "2", "threads": 4096},)),
-    *[applies_when(name, lambda c: c.dp != "off", f"--{name.replace('_', '-')} applies to --dp client and --dp "
-                   f"sample; add one or drop it", others=("dp",), bad=({name: value},))
-      for name, value in (("dp_clip", 1.0), ("dp_noise", 1.0), ("dp_epsilon", 8.0), ("dp_delta", 1e-5))],
-    *[applies_when(name, lambda c: c.dp == "client", f"--{name.replace('_', '-')} applies to --dp client; add "
-                   f"--dp client or drop it", others=("dp",),
-                   bad=({name: value}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0, name: value}))
-      for name, value in (("dp_clip_quantile", 0.5), ("dp_stats_clip", 2.0))],
+    *only_with_relations(RunConfig),  # the "applies only with" relations the settings declare (only_with=)
     applies_when("dp_accountant", lambda c: c.dp == "client" or c.dp_accountant == "rdp",
-                 "--dp-accountant pld applies to --dp client (--dp sample accounts each client with opacus's RDP "
-                 "accountant); add --dp client or drop it", others=("dp",),
+                 "--dp-accountant pld applies to --dp client (--dp sample accounts each client's DP-SGD steps with "
+                 "dp-accounting's RDP accountant); add --dp client or drop it", others=("dp",),
                  bad=({"dp_accountant": "pld"}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0,
                                                   "dp_accountant": "pld"})),
     applies_when("dp_counts_noise", lambda c: c.dp == "sample" and reads_counts(_method_class(c)),
@@ -847,21 +842,12 @@ RELATIONS: list[Relation] = [
                               f", and method {c.method} reads none; drop it"), others=("dp", "method"),
                  bad=({"dp_counts_noise": 3.0}, {"dp": "sample", "dp_clip": 1.0, "dp_noise": 1.0,
                                                  "dp_counts_noise": 3.0})),
-    applies_when("dp_noise_seed", lambda c: c.dp != "off",
-                 "--dp-noise-seed {dp_noise_seed} applies to --dp client and --dp sample; add one or drop it",
-                 others=("dp",), bad=({"dp_noise_seed": "secret"}, {"dp_noise_seed": "run"})),
-    applies_when("dp_budget", lambda c: c.dp != "off", "--dp-budget applies to --dp client and --dp sample; add one or "
-                 "drop it", others=("dp",), bad=({"dp_budget": 8.0},)),
     applies_when("dp_stats_clip",
                  lambda c: c.dp != "client" or bool(class_means(getattr(_method_class(c), "sends", ()))),
                  lambda c: f"--dp-stats-clip clips the class statistics of a method that sends them as noised "
                            f"per-class means ({', '.join(n for n, cls in METHODS.items() if class_means(cls.sends))}), "
                            f"and method {c.method} sends none; drop it", others=("method",),
                  bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_stats_clip": 2.0},)),
-    *[applies_when(name, lambda c: c.dp_clip_quantile is not None, f"--{name.replace('_', '-')} applies to adaptive "
-                   f"clipping; add --dp-clip-quantile Q or drop it", others=("dp_clip_quantile",),
-                   bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, name: value},))
-      for name, value in (("dp_clip_lr", 0.5), ("dp_count_noise", 1.0))],
     requires("dp_clip_quantile", lambda c: dp_noise_of(c) < 2 * count_noise(c),
              lambda c: f"adaptive clipping splits the noise multiplier {dp_noise_of(c):g} between the update and the "
                        f"count of unclipped updates, whose noise {count_noise(c):g} must exceed half of it; raise "
@@ -982,10 +968,6 @@ RELATIONS: list[Relation] = [
                                                                                                       is None),
              others=("dp_noise", "dp_epsilon", "dp_delta", "participation", "clients"),
              bad=({"dp": "client", "dp_clip": 1.0, "dp_noise": 1.0, "dp_budget": 0.001},)),
-    *[applies_when(name, lambda c: c.secagg, f"--{name.replace('_', '-')} applies to --secagg; add --secagg or drop "
-                   f"it", others=("secagg",), bad=({name: value},))
-      for name, value in (("secagg_shares", 3), ("secagg_threshold", 2), ("secagg_clip_range", 4.0),
-                          ("secagg_levels", 1024), ("secagg_max_weight", 100.0))],
     requires("secagg", lambda c: secagg.runs_under(_method_class(c)),
              lambda c: f"--secagg hands the server only the weighted mean of the clients' updates, and method "
                        f"{c.method} needs more: {secagg.why_not(_method_class(c))}; drop --secagg or choose a method "

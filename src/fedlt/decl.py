@@ -77,6 +77,10 @@ class Decl:
     # the parts of a run that read the setting ("spec": the method's RunSpec, "engine": the driver's EngineConfig;
     # "spec:num_clients": read there under another name): those dataclasses are derived from the declarations
     reads: tuple[str, ...] = ()
+    # (other setting, the values of it that take this one[, a configuration whose other value does not]): elsewhere
+    # the run would ignore this setting, so a value other than its default is refused (:func:`only_with_relations`);
+    # the values: a tuple, or GIVEN (the other set to anything but its default)
+    only_with: tuple | None = None
 
     def allowed(self) -> tuple | None:
         c = self.choices
@@ -812,6 +816,50 @@ def is_set(obj: Any, name: str, base: dict | None = None) -> bool:
     if s.default is dataclasses.MISSING:
         return True
     return v != s.default and not (v in ((), {}, None) and s.default in ((), {}, None))
+
+
+GIVEN = "given"  # Decl.only_with's values: the other setting given (anything but its default)
+
+
+def example_of(s: Setting) -> Any:
+    """A value other than its default that setting ``s`` takes (a relation's bad example): a choice, the other
+    truth value, a number within its bounds."""
+    if s.kind is bool:
+        return not s.default
+    if (allowed := s.decl.allowed()) is not None:
+        return next(c for c in allowed if c != s.default)
+    low, high = s.decl.low or 0, s.decl.high
+    value = (low + high) / 2 if high is not None and high - low <= 2 else low + 1
+    if value == s.default:
+        value = (value + high) / 2 if high is not None and high - low <= 2 else value + 1
+    return int(value) if s.kind is int else float(value)
+
+
+def only_with_relations(cls: type) -> list[Relation]:
+    """The "applies only when" relations that the settings of ``cls`` declare with ``only_with`` (:class:`Decl`):
+    each one's test, its one-line message (what takes it, and "add that or drop it") and its bad examples (the
+    setting at :func:`example_of`, the other at its default, and in the configuration the declaration gives)."""
+    table = settings_of(cls)
+    out = []
+    for name, s in table.items():
+        if s.decl.only_with is None:
+            continue
+        other, values, *elsewhere = s.decl.only_with
+        o = table[other]
+        if values == GIVEN:
+            holds = (lambda n: lambda c: is_set(c, n))(other)
+            takes = add = f"{o.flag} {o.decl.metavar or 'X'}"
+        elif o.kind is bool:
+            holds = (lambda n: lambda c: bool(getattr(c, n)))(other)
+            takes = add = o.flag
+        else:
+            holds = (lambda n, vs: lambda c: getattr(c, n) in vs)(other, tuple(values))
+            takes = words([f"{o.flag} {v}" for v in values], "and")
+            add = "one" if len(values) > 1 else takes
+        bad = ({name: example_of(s)}, *({**e, name: example_of(s)} for e in elsewhere))
+        out.append(applies_when(name, holds, f"{s.flag} applies to {takes}; add {add} or drop it", others=(other,),
+                                bad=bad))
+    return out
 
 
 def applies_when(setting: str, holds: Callable[[Any], bool], message, *, others: Iterable[str] = (),

@@ -229,6 +229,19 @@ class Method:
         return Message(arrays=dict(state.weights))
 
     def aggregate(self, state: ServerState, rnd: int, replies: list[tuple[int, Message]]) -> ServerState:
+        """The round's new server state from the replies. Default: FedAvg's mean of the replies' arrays, weighted by
+        ``num_examples``.
+
+        Contract -- *replies rewritten to the mechanism's estimate*: a privacy mechanism hands this hook replies
+        rewritten so that the statistic a mean-taking server computes from them is the mechanism's estimate, and the
+        method runs unchanged. Under ``--dp client`` every reply weighs 1 and their uniform mean is DP-FedAvg's
+        noised estimate ``w + (sum of clipped updates + noise) / (q K)`` (:func:`fedlt.core.dp.noised_replies`), a
+        class-mean array's per-class mean is the noised sum over the noised count
+        (:func:`fedlt.core.dp.noised_class_means`); under ``--secagg`` each reply is what it received plus the
+        securely aggregated mean update, so any weighted mean of them is that mean
+        (:func:`fedlt.core.secagg.replies_with_mean`). A method whose server reads a reply on its
+        own (a norm, a per-client statistic, a reply's weight) is outside the contract and says so
+        (``dp_client_refusal``, ``secagg``)."""
         from .aggregation import weighted_average
 
         new = weighted_average([(r.arrays, r.meta["num_examples"]) for _, r in replies])
