@@ -132,7 +132,7 @@ class ReLa:
     @dataclass
     class Params:
         rela_start: int | None = setting(None, "first round whose local training uses the new labels (1-based)",
-                                         low=1, none_means="floor(0.9 * rounds) + 1, the official 450 of 500")
+                                         low=1, limit=10**6, none_means="floor(0.9 * rounds) + 1, the official 450 of 500")
         rela_thre: float = setting(5.0, "the adaptive threshold: the top percentage of each class's z-scores "
                                         "(official --thre)", low=0, high=100)
         rela_passes: int = setting(5, "passes of the global model over the local data for Q (official num_epochs)",
