@@ -194,7 +194,10 @@ class Driver:
         # per_round / num_clients); else exactly per_round clients, uniformly without replacement
         self.schedule = poisson_schedule(num_clients, per_round / num_clients, cfg.rounds, cfg.seed) \
             if self.privacy.poisson else sampling_schedule(num_clients, per_round, cfg.rounds, cfg.seed)
-        self.privacy.scheduled(self.schedule, lambda: self.counts().sum(1))
+        # every client's number of training samples where an engine knows them without the counts (Flower under
+        # --dp: its SuperNodes describe their sizes only); None: the counts' row sums (:meth:`sizes`)
+        self.client_sizes: Callable[[], np.ndarray] | None = None
+        self.privacy.scheduled(self.schedule, self.sizes)
         self.stopped: str | None = None  # why training stopped before its last round (--dp-budget)
         self.eval_clients = eval_sample(num_clients, cfg.eval_clients, cfg.seed)
         self.round = 0
@@ -312,7 +315,7 @@ class Driver:
                 if sim_time is not None:
                     extra["sim_time"] = sim_time
             # what SecAgg+ hands the server, where the transport does not run it (engine.privacy)
-            replies, halted = self.privacy.unmasked(payloads, replies, lambda: self.counts().sum(1),
+            replies, halted = self.privacy.unmasked(payloads, replies, self.sizes,
                                                     lambda c: derive_seed(self.cfg.seed, SECAGG, index, c))
             why.update(halted)
             extra["arrived"] = len(replies)
@@ -349,6 +352,10 @@ class Driver:
             raise ConfigError("this engine does not give the clients' counts that --availability size/tail and "
                               "the straggler settings need")
         return np.asarray(self.client_counts())
+
+    def sizes(self) -> np.ndarray:
+        """Every client's number of training samples (``client_sizes``, else the counts' row sums)."""
+        return np.asarray(self.client_sizes()) if self.client_sizes is not None else self.counts().sum(1)
 
     def sampled(self, rnd: int) -> list[int]:
         """The clients sent round ``rnd``'s payload."""

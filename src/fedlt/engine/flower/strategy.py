@@ -102,7 +102,7 @@ class FedltStrategy(Strategy):
         # known once the SuperNodes have described themselves; under --dp they do not say them
         self.driver.client_counts = None if cfg.dp != "off" else lambda: self.fed.counts
         if cfg.dp == "sample":  # each client's number of samples (public in DP-SGD's analysis: its sampling rate)
-            self.driver.dp.sizes = lambda: np.array([self.info[c]["num_examples"] for c in range(cfg.clients)])
+            self.driver.client_sizes = lambda: np.array([self.info[c]["num_examples"] for c in range(cfg.clients)])
         if cfg.dp != "off" and self.driver.cfg.faults is not None:
             raise ConfigError(f"--speed-sigma and --speed-file time each client's round by its label counts, which "
                               f"under --dp {cfg.dp} the SuperNodes do not send: drop them, or use `fedlt run`")
