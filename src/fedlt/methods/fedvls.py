@@ -69,12 +69,13 @@ def calibrated_ce(logits: torch.Tensor, y: torch.Tensor, prior: torch.Tensor) ->
 
 def vacant_kl(logits: torch.Tensor, teacher: torch.Tensor, vacant: torch.Tensor) -> torch.Tensor:
     """L_dis: batch-mean KL(softmax(teacher[:, O]) || softmax(logits[:, O])), ``vacant`` a [C] bool mask; 0 when
-    the client has no vacant class."""
-    if not bool(vacant.any()):
-        return logits.sum() * 0.0
-    s = F.log_softmax(logits[:, vacant], dim=1)
-    t = F.softmax(teacher[:, vacant], dim=1)
-    return F.kl_div(s, t, reduction="batchmean")
+    the client has no vacant class. The other classes are masked with a finite -1e9 rather than selected (their
+    softmax weight is exactly 0 in float32), so the loss has no data-dependent branch or shape: the batched
+    executor runs it under vmap and a step reads nothing back to the host."""
+    s = F.log_softmax(logits.masked_fill(~vacant, -1e9), dim=1)
+    log_t = F.log_softmax(teacher.masked_fill(~vacant, -1e9), dim=1)
+    terms = torch.where(vacant, log_t.exp() * (log_t - s), torch.zeros_like(s))
+    return terms.sum() / logits.shape[0]
 
 
 def logit_suppression(logits: torch.Tensor, y: torch.Tensor, prior: torch.Tensor, form: str = "official"
