@@ -639,7 +639,7 @@ def secagg_clients(c) -> int:
 
 
 def dp_sample_methods() -> list[str]:
-    """The built-in methods that run under --dp sample (:func:`fedlt.core.dpsgd.declared`), FedAvg-family first."""
+    """The built-in methods that run under --dp sample (:func:`fedlt.core.dp.declared`), FedAvg-family first."""
     names = [n for n, cls in METHODS.items() if verdict(cls, "sample").startswith("yes")]
     first = [n for n in ("fedavg", "fedprox", "ditto", "fedper", "fedloge") if n in names]
     return first + [n for n in names if n not in first]
@@ -647,7 +647,7 @@ def dp_sample_methods() -> list[str]:
 
 def counts_methods() -> list[str]:
     """The built-in methods whose loss reads the client's class counts under --dp sample (``dp_sample = "counts"``,
-    :func:`fedlt.core.dpsgd.reads_counts`): --dp-counts-noise noises them."""
+    :func:`fedlt.core.dp.reads_counts`): --dp-counts-noise noises them."""
     return [n for n, cls in METHODS.items() if reads_counts(cls)]
 
 

@@ -74,6 +74,28 @@ from ..errors import ConfigError
 from .noise import NOISE_SEEDS
 from .privacy import ANY, CLASS_MEAN, CLIENT_MECHANISMS, DERIVED, MODEL, ROUNDS, UPDATE
 
+# Which method classes run under --dp sample (DP-SGD, fedlt.core.dpsgd): declared here, below the DP-SGD trainer, so
+# that the refusals of this module read them without importing it.
+HOOKS = ("init_client", "local_steps", "local_train", "local_reply")  # a class changing one declares again
+COUNTS = "counts"  # dp_sample's value for a loss that also reads the client's class counts
+
+
+def declared(cls) -> bool:
+    """Whether method class ``cls`` runs under ``--dp sample``: the nearest class of its MRO that sets
+    ``dp_sample`` says so, unless a class below it changes a client hook (:data:`HOOKS`) without setting it again."""
+    from .method import declared as flag
+
+    return flag(cls, "dp_sample", HOOKS)
+
+
+def reads_counts(cls) -> bool:
+    """Whether method class ``cls`` runs under ``--dp sample`` with a loss that reads the client's class counts
+    (``dp_sample = "counts"``): its clients' counts are then noised once (:meth:`SampleDP.client_data`)."""
+    from .method import declaration
+
+    return declaration(cls, "dp_sample", HOOKS) == COUNTS
+
+
 # integer RDP orders (fractional ones make dp-accounting's series fail to converge at large sampling rates)
 ORDERS = tuple(range(2, 256)) + (256, 512, 1024)
 STATS_CLIP = 1.0  # --dp-stats-clip's default: the norm a client's class-mean arrays are clipped to
@@ -226,11 +248,9 @@ def refusal(cls, level: str) -> tuple[str, list[str]] | None:
     send that the guarantee would not cover, :func:`unprotected`), ``("server", [why])`` (``--dp client``: what the
     method's server does with each reply that the noised mean does not cover, ``Method.dp_client_refusal``) or
     ``("undeclared", [why])`` (``--dp sample``: its
-    local training is not declared DP-SGD-able, :func:`fedlt.core.dpsgd.declared`; ``why``: the method's own reason,
+    local training is not declared DP-SGD-able, :func:`declared`; ``why``: the method's own reason,
     ``Method.dp_sample_why_not``, where it gives one). The one source of the run's refusals (``fedlt.config``) and of
     :func:`verdict`."""
-    from .dpsgd import declared
-
     if getattr(cls, "needs_pool", False):
         return "pool", []
     if level == "client" and (why := getattr(cls, "dp_client_refusal", "")):
@@ -256,8 +276,6 @@ def verdict(cls, level: str) -> str:
         also = privatised(getattr(cls, "sends", ()))
         return f"yes, its clients send the model update (clipped and noised) and {', '.join(also)}" if also else \
             "yes, its clients send only the model update (clipped and noised)"
-    from .dpsgd import reads_counts
-
     needs = f", {cls.dp_sample_needs}" if getattr(cls, "dp_sample_needs", "") else ""
     derived = [f"{s.name} ({s.category})" for s in getattr(cls, "sends", ()) if s.dp == DERIVED and s.when == ROUNDS]
     if derived:

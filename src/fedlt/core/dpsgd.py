@@ -65,13 +65,12 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from ..errors import ConfigError
+from .dp import COUNTS, HOOKS, declared, reads_counts  # noqa: F401  (which methods run as DP-SGD: core.dp)
 from .noise import NOISE_SEEDS, keyed_seed
 from .privacy import ROUNDS
 from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_loss, stats_of
 from .training import Meter
 
-HOOKS = ("init_client", "local_steps", "local_train", "local_reply")  # a class changing one declares again
-COUNTS = "counts"  # dp_sample's value for a loss that also reads the client's class counts
 COUNTS_NOISE = 5.0  # --dp-counts-noise's default: the std, in samples, of the noise on each class count
 DP_COUNTS = 16  # the purpose of the class counts' noise draw (fedlt.engine.driver's purposes end at 15)
 HISTORY = "dp_history"  # a client's accountant entries [(z, q, steps)] of one message, sent beside num_examples (Flower)
@@ -86,14 +85,6 @@ def require() -> Any:
         raise ConfigError("--dp sample needs the opacus package (DP-SGD and its accountant): pip install "
                           "'fedlt[privacy]'") from None
     return opacus
-
-
-def declared(cls) -> bool:
-    """Whether method class ``cls`` runs under ``--dp sample``: the nearest class of its MRO that sets
-    ``dp_sample`` says so, unless a class below it changes a client hook (:data:`HOOKS`) without setting it again."""
-    from .method import declared as flag
-
-    return flag(cls, "dp_sample", HOOKS)
 
 
 def riders(cls) -> tuple[str, ...]:
@@ -162,14 +153,6 @@ def check_before_run(cfg, cls, sizes, schedule=None, epochs: int = 1) -> None:
         raise ConfigError(f"--dp-budget {cfg.dp_budget:g} is below the first round's epsilon {eps:.3g} (client "
                           f"{worst}'s, delta {dp.delta:.3g}), so no round could run; raise --dp-budget, or spend less a "
                           f"round: more noise (--dp-noise, or a smaller --dp-epsilon) or fewer --local-epochs")
-
-
-def reads_counts(cls) -> bool:
-    """Whether method class ``cls`` runs under ``--dp sample`` with a loss that reads the client's class counts
-    (``dp_sample = "counts"``): its clients' counts are then noised once (:meth:`SampleDP.client_data`)."""
-    from .method import declaration
-
-    return declaration(cls, "dp_sample", HOOKS) == COUNTS
 
 
 def check_model(model: torch.nn.Module, name: str) -> None:

@@ -143,7 +143,7 @@ class Method:
     # described steps (local_steps) whose loss of one sample reads nothing of the client's other samples; "counts"
     # where that loss also reads the client's class counts (data.counts), which DP-SGD then gives it noised once
     # (--dp-counts-noise, counted in the client's accountant); a subclass that changes a client hook declares it
-    # again (dpsgd.declared)
+    # again (dp.declared)
     dp_sample: bool | str = False
     # --dp client: why its server's use of each reply is not covered by the noised mean, in words ("" where it is)
     dp_client_refusal: str = ""

@@ -33,6 +33,18 @@ from .steps import split_loss, stats_of
 from .training import train_local
 
 EPS = 1e-7  # the released codes' guard in rho / (||d|| + 1e-7) (FedWMSAM's optimizer/ESAM.py and WMSAM.py)
+MOM = "mom/"  # name prefix of the server momentum's arrays in a payload (MoFedSAM, FedWMSAM)
+
+
+def with_momentum(weights: dict, mom: dict) -> dict:
+    """A payload's arrays: the model's ``weights`` and the server momentum ``mom`` under :data:`MOM`."""
+    return {**weights, **{MOM + k: v for k, v in mom.items()}}
+
+
+def split_momentum(arrays: dict) -> tuple[dict, dict]:
+    """(weights, momentum) of a payload's arrays that :func:`with_momentum` made."""
+    return ({k: v for k, v in arrays.items() if not k.startswith(MOM)},
+            {k[len(MOM):]: v for k, v in arrays.items() if k.startswith(MOM)})
 
 Tensors = dict[str, torch.Tensor]
 

@@ -67,11 +67,11 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message
-from ..core.sam import EPS, ascent, linear_term, mean_gradient, train_sam
+from ..core.sam import EPS, ascent, linear_term, mean_gradient, split_momentum, train_sam, with_momentum
 from ..core.training import effective_steps
 from ..decl import setting
 from ..registry import METHODS
-from .mofedsam import MOM, MoFedSAM
+from .mofedsam import MoFedSAM
 
 ALPHA_KEEP, ALPHA_STEP = 0.99, 0.01  # alpha <- 0.99 alpha + 0.01 clip(s, ...): server/FedWMSAM.py's global_update
 SCORE_RANGE = (0.1, 0.9)  # the clip of the mean agreement s (the same line)
@@ -133,11 +133,10 @@ class FedWMSAM(MoFedSAM):
         c = state.c or self._zeros(w)
         ck = state.ci.get(cid) or self._zeros(w)
         personal = {k: mom[k] + (c[k] - ck[k]) * a / (1 - a) for k in self.param_keys}
-        return Message({**w, **{MOM + k: v for k, v in personal.items()}}, {"alpha": a})
+        return Message(with_momentum(w, personal), {"alpha": a})
 
     def local_train(self, payload, cstate, data, gen):
-        w = {k: v for k, v in payload.arrays.items() if not k.startswith(MOM)}
-        mom = {k[len(MOM):]: v for k, v in payload.arrays.items() if k.startswith(MOM)}
+        w, mom = split_momentum(payload.arrays)
         a, rho = float(payload.meta["alpha"]), self.p.rho
         target = {k: w[k].clone() for k in mom}  # w + b * Delta_k
 

@@ -49,13 +49,12 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message
-from ..core.sam import linear_term, mean_gradient, sam_perturbation, train_sam
+from ..core.sam import linear_term, mean_gradient, sam_perturbation, split_momentum, train_sam, with_momentum
 from ..core.training import effective_steps
 from ..decl import setting
 from ..registry import METHODS
 from .fedsam import FedSAM
 
-MOM = "mom/"  # name prefix of the server momentum's arrays in a payload
 
 
 @METHODS.register("mofedsam")
@@ -76,14 +75,13 @@ class MoFedSAM(FedSAM):
 
     def configure(self, state, rnd, cid):
         mom = state.momentum or {k: torch.zeros_like(state.weights[k]) for k in self.param_keys}
-        return Message({**state.weights, **{MOM + k: v for k, v in mom.items()}})
+        return Message(with_momentum(state.weights, mom))
 
     def eval_payload(self, state, cid):
         return Message(dict(state.weights))
 
     def local_train(self, payload, cstate, data, gen):
-        w = {k: v for k, v in payload.arrays.items() if not k.startswith(MOM)}
-        mom = {k[len(MOM):]: v for k, v in payload.arrays.items() if k.startswith(MOM)}
+        w, mom = split_momentum(payload.arrays)
         a = self.p.alpha
 
         def loss_at(logits_at, x, y, params):
