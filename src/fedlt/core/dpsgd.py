@@ -65,6 +65,7 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from ..errors import ConfigError
+from .dp import ACCOUNTANTS, calibrated, default_delta, delta_problem, fresh_accountant, gaussian_steps
 from .dp import COUNTS, HOOKS, declared, reads_counts  # noqa: F401  (which methods run as DP-SGD: core.dp)
 from .noise import NOISE_SEEDS, keyed_seed
 from .privacy import ROUNDS
@@ -110,7 +111,7 @@ def check_counts_release(cfg, cls, sizes=None) -> None:
         return
     if cfg.dp_delta is None and sizes is None:
         return
-    delta = float(cfg.dp_delta) if cfg.dp_delta is not None else default_delta(np.asarray(sizes))
+    delta = float(cfg.dp_delta) if cfg.dp_delta is not None else sample_delta(np.asarray(sizes))
     s = counts_of(cfg)
     if (alone := epsilon_of(((s, 1.0, 1),), delta)) >= cfg.dp_epsilon:
         raise ConfigError(f"--dp-epsilon {cfg.dp_epsilon:g}: the release of each client's class counts alone spends "
@@ -172,20 +173,16 @@ def check_model(model: torch.nn.Module, name: str) -> None:
                           f"cannot bound; use --model {WORKING_MODELS}")
 
 
-def default_delta(sizes) -> float:
+def sample_delta(sizes) -> float:
     """delta when --dp-delta is not given: :func:`fedlt.core.dp.default_delta` of ``n_max`` (the largest client's
     samples: under --dp sample the unit is a sample, and each client's guarantee is over its own ``n_i``), so
     ``min(1e-5, 1 / (10 n_max))``, below ``1 / (10 n_i)`` for every client."""
-    from .dp import default_delta as per_unit
-
-    return per_unit(int(max(sizes)))
+    return default_delta(int(max(sizes)))
 
 
 def delta_refusal(delta: float, sizes) -> str | None:
     """Why a given --dp-delta is too weak for some client: not below ``1 / n_i`` for the client with the most
     samples (the unit is a sample; :func:`fedlt.core.dp.delta_problem`), or None."""
-    from .dp import delta_problem
-
     sizes = np.asarray(sizes)
     if not len(sizes):
         return None
@@ -242,8 +239,6 @@ def entries_of(cid: int, meta: dict) -> list | str:
 def epsilon_of(history: tuple, delta: float) -> float:
     """The epsilon at ``delta`` of a history of ``(noise_multiplier, sample_rate, steps)``: dp-accounting's
     RdpAccountant, as ``--dp client``'s (:func:`fedlt.core.dp.fresh_accountant`)."""
-    from .dp import fresh_accountant, gaussian_steps
-
     return float(fresh_accountant("rdp").compose(gaussian_steps(history)).get_epsilon(delta))
 
 
@@ -253,8 +248,6 @@ def noise_for(target: float, delta: float, rate: float, steps: int, prefix: tupl
     (dp-accounting's ``calibrate_dp_mechanism``, :func:`fedlt.core.dp.calibrated`), after ``prefix``: accountant
     entries before the steps (the class counts' release, :meth:`SampleDP.prefix`); a budget it cannot meet is one
     line."""
-    from .dp import calibrated
-
     prefix = tuple(map(tuple, prefix))
     if prefix and (alone := epsilon_of(prefix, delta)) >= target:
         raise ConfigError(f"--dp-epsilon {target:g}: the class counts' release alone spends {alone:.3g} "
@@ -381,7 +374,7 @@ class SampleDP:
         one line (:func:`delta_refusal`: fedlt run says it before the run, Flower's server once its clients have
         said their sizes)."""
         if self._delta is None:
-            self._delta = default_delta(np.asarray(self.sizes()))
+            self._delta = sample_delta(np.asarray(self.sizes()))
         elif not self._delta_checked:
             if why := delta_refusal(self._delta, self.sizes()):
                 raise ConfigError(why)
@@ -637,8 +630,6 @@ class SampleDP:
         """summary.json's ``dp``: the worst client's epsilon, and every client's accountant inputs, to recompute
         each with dp-accounting (:func:`epsilon_of`)."""
         from importlib.metadata import version
-
-        from .dp import ACCOUNTANTS
 
         opacus = require().__version__
         sizes = np.asarray(self.sizes())
