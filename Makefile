@@ -33,9 +33,10 @@ demo: $(BIN)/.installed-$(DEMO_EXTRAS) data
 
 # The suite in two pytest-xdist processes, one per core of a 2-core machine (there: 673 s, where one process took
 # 900 s): a file's tests stay in one process (module fixtures, background deployments), and the files that take
-# longest start first (tests/conftest.py FIRST; xdist's own order, by number of tests, is turned off).
+# longest start first (tests/conftest.py FIRST; xdist's own order, by number of tests, is turned off). It ends with
+# the ten slowest tests, so a change that slows the suite shows where.
 test: $(BIN)/.installed-$(TEST_EXTRAS)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10
 
 # The documentation site (mkdocs.yml; docs/gen_reference.py writes the method and API references from the code):
 # built into site/, failing on any warning (a broken link, a page missing from the navigation); or served with
