@@ -51,7 +51,30 @@ def small_config(**over) -> RunConfig:
                 participation=0.5, rounds=8, eval_every=4, local_epochs=2, batch_size=16, lr=0.05,
                 momentum=0.9, seed=0, model="smallcnn")
     base.update(over)
+    if base["method"] in HEAD_ONLY and "finetune" not in over:  # runs only on a frozen pre-trained backbone
+        base.update(finetune="head", model=tiny_hf_vit())
     return RunConfig(**base)
+
+
+HEAD_ONLY = ("ggeur",)  # methods refused under --finetune full: the tests run them under head on a tiny ViT
+
+
+def tiny_hf_vit() -> str:
+    """``hf:DIR`` of a tiny random ViT (8x8 images, patches of 4, width 16, one block) saved with save_pretrained
+    in safetensors, once per process (offline)."""
+    if "hf-vit" not in _TINY_CLIP:
+        import tempfile
+
+        from transformers import ViTConfig, ViTModel
+
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        d = tempfile.mkdtemp(prefix="fedlt-tiny-hf-vit-")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            ViTModel(ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                               num_attention_heads=2, intermediate_size=32)).save_pretrained(d)
+        _TINY_CLIP["hf-vit"] = f"hf:{d}"
+    return _TINY_CLIP["hf-vit"]
 
 
 _FEDS: dict = {}

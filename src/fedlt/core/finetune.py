@@ -90,6 +90,8 @@ NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
     "body": (("head",), "trains the backbone with its classifier fixed ({what}), and under --finetune head the "
                         "backbone is frozen: nothing would train"),
     "own-model": (("head", "lora"), "builds a model of its own ({what}), not the --model backbone"),
+    "frozen": (("full", "lora"), "fits statistics of a frozen pre-trained backbone's features ({what}), and under "
+                                 "--finetune full or lora the backbone trains, so its features change"),
 }
 
 
