@@ -19,7 +19,8 @@ from fedlt.core.method import Method
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.engine.clientstate import ClientStates, state_name
 from fedlt.data.partition import partition_settings
-from fedlt.engine.driver import TRAIN, client_generator
+from fedlt.engine.driver import client_generator
+from fedlt.seeds import Purpose
 from fedlt.errors import ConfigError
 from fedlt.runner.rundir import federation_for, prepare
 from fedlt.registry import METHODS
@@ -165,13 +166,13 @@ def _writes_state(name: str) -> bool:
     if m.init_client(0, data):
         return True
     state = m.init_server()
-    reply, cs = m.local_train(m.configure(state, 1, 0), {}, data, client_generator(0, TRAIN, 1, 0))
+    reply, cs = m.local_train(m.configure(state, 1, 0), {}, data, client_generator(0, Purpose.TRAIN, 1, 0))
     if cs:
         return True
     state = m.aggregate(state, 1, [(0, reply)])
     for phase in m.phases:  # each phase after the one before it, as the driver runs them
         reply, cs = m.phase_client(phase, m.phase_configure(phase, state, 0), {}, data,
-                                   client_generator(0, TRAIN, 1, 0))
+                                   client_generator(0, Purpose.TRAIN, 1, 0))
         if cs:
             return True
         state = m.phase_aggregate(phase, state, [(0, reply)])

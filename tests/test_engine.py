@@ -33,9 +33,10 @@ def test_fedavg_aggregate_is_the_weighted_mean_of_replies():
     state = m.init_server()
     cids = sim.schedule[0]
     replies = []
-    from fedlt.engine.driver import client_generator, TRAIN
+    from fedlt.engine.driver import client_generator
+    from fedlt.seeds import Purpose
     for c in cids:
-        r, _ = m.local_train(m.configure(state, 1, c), {}, sim.fed.clients[c], client_generator(0, TRAIN, 1, c))
+        r, _ = m.local_train(m.configure(state, 1, c), {}, sim.fed.clients[c], client_generator(0, Purpose.TRAIN, 1, c))
         replies.append((c, r))
         seen[c] = (r.arrays, len(sim.fed.clients[c]))
     new = m.aggregate(state, 1, replies)["weights"]
@@ -81,7 +82,8 @@ def test_a_clients_global_seed_is_torch_manual_seeds_without_queueing_seeds_for_
     client: most of a phase over 10,000 clients)."""
     import traceback
 
-    from fedlt.engine.driver import TRAIN, client_generator, seed_global
+    from fedlt.engine.driver import client_generator, seed_global
+    from fedlt.seeds import Purpose
 
     torch.manual_seed(123)
     want = torch.randn(5), torch.randint(0, 1000, (3,))
@@ -89,15 +91,15 @@ def test_a_clients_global_seed_is_torch_manual_seeds_without_queueing_seeds_for_
     torch.manual_seed(0)
     seed_global(123)
     assert torch.equal(torch.randn(5), want[0]) and torch.equal(torch.randint(0, 1000, (3,)), want[1])
-    a = torch.rand(4, generator=client_generator(0, TRAIN, 2, 5)), torch.rand(4)
-    b = torch.rand(4, generator=client_generator(0, TRAIN, 2, 5)), torch.rand(4)
+    a = torch.rand(4, generator=client_generator(0, Purpose.TRAIN, 2, 5)), torch.rand(4)
+    b = torch.rand(4, generator=client_generator(0, Purpose.TRAIN, 2, 5)), torch.rand(4)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     if not any(d.is_available() for d in (torch.cuda, torch.xpu, torch.mtia)) and not torch.backends.mps.is_available():
         def stack(*a, **k):
             raise AssertionError("a seed queued with a traceback")
         monkeypatch.setattr(traceback, "format_stack", stack)
         seed_global(5)
-        client_generator(0, TRAIN, 1, 1)
+        client_generator(0, Purpose.TRAIN, 1, 1)
         with pytest.raises(AssertionError):
             torch.manual_seed(5)  # what it replaces does queue them
 

@@ -10,7 +10,8 @@ from torch import nn
 
 from conftest import run_small
 from fedlt.core import Message
-from fedlt.engine.driver import TRAIN, client_generator
+from fedlt.engine.driver import client_generator
+from fedlt.seeds import Purpose
 from fedlt.errors import ConfigError
 from fedlt.models import bn_keys, build_model, head_keys
 from fedlt.registry import METHODS, MODELS
@@ -130,7 +131,7 @@ def test_fedrep_trains_the_head_first_then_the_body(monkeypatch):
 
     monkeypatch.setattr(fedrep, "run_steps", spy)
     m.local_train(m.configure(sim.state, 2, cid), sim.client_states[cid], sim.fed.clients[cid],
-                  client_generator(0, TRAIN, 2, cid))
+                  client_generator(0, Purpose.TRAIN, 2, cid))
     assert calls == [(["head."], 10, {"head"}), (["backbone."], 1, {"backbone"})]
 
 
@@ -148,11 +149,11 @@ def test_ditto_personal_model_is_pulled_to_the_received_global_model_as_lambda_g
     cid = trained[0]
     payload, data = m.configure(state, 9, cid), sim.fed.clients[cid]
     fedavg = METHODS.get("fedavg")(m.spec)
-    ref, _ = fedavg.local_train(payload, {}, data, client_generator(0, TRAIN, 9, cid))
+    ref, _ = fedavg.local_train(payload, {}, data, client_generator(0, Purpose.TRAIN, 9, cid))
     dist = []
     for lam in (0.0, 0.1, 1.0, 10.0):
         m.p.lam = lam
-        reply, cs = m.local_train(payload, sim.client_states[cid], data, client_generator(0, TRAIN, 9, cid))
+        reply, cs = m.local_train(payload, sim.client_states[cid], data, client_generator(0, Purpose.TRAIN, 9, cid))
         assert all(torch.equal(v, ref.arrays[k]) for k, v in reply.arrays.items())  # the reply is FedAvg's
         dist.append(float((flat(cs["personal"], keys) - flat(payload.arrays, keys)).norm()))
     assert dist[0] > dist[1] > dist[2] > dist[3]
@@ -195,7 +196,7 @@ def test_ditto_personal_clip_and_lr_scale_bound_the_personal_step():
     def personal_move(**params):
         for k, v in params.items():
             setattr(m.p, k, v)
-        reply, cs = m.local_train(payload, sim.client_states[cid], data, client_generator(0, TRAIN, 3, cid))
+        reply, cs = m.local_train(payload, sim.client_states[cid], data, client_generator(0, Purpose.TRAIN, 3, cid))
         for k in params:
             setattr(m.p, k, type(m.p)().__getattribute__(k))
         return reply, float((flat(cs["personal"], keys) - flat(sim.client_states[cid]["personal"], keys)).norm())

@@ -26,6 +26,7 @@ from .decl import (DATA, FLOAT32_MAX, GIVEN, INT32, OUTPUT, TRAIN, Relation, app
 from .errors import ConfigError
 from .papers import presets as paper_presets
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS
+from .seeds import Purpose
 
 DEFAULT_BUDGET = 2_000_000_000  # bytes of client states in memory: --client-state-memory 2GB (engine.clientstate)
 
@@ -706,7 +707,6 @@ def _online(cfg) -> float:
     return p * cfg.clients * cfg.rounds
 
 
-SPEED_PURPOSE = 22  # generator purpose of the clients' speeds (engine.faults' purposes are 20-23)
 RATE = 1000.0  # samples trained per simulated second by a client of speed 1
 
 
@@ -715,7 +715,7 @@ def client_speeds(speed_sigma: float, speed_file: str | None, num_clients: int, 
     ``speed_sigma``, drawn from the run's seed."""
     if speed_file is not None:
         return read_speeds(speed_file, num_clients)
-    return np.exp(speed_sigma * np.random.default_rng([seed, SPEED_PURPOSE]).standard_normal(num_clients))
+    return np.exp(speed_sigma * np.random.default_rng([seed, Purpose.SPEED]).standard_normal(num_clients))
 
 
 def _fastest(cfg) -> float:

@@ -7,9 +7,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .method import derive_seed
-
-AUX_DRAW = 121  # seed purpose of the draw
+from ..seeds import Purpose, derive_seed
 
 
 def auxiliary_set(spec, per_class: int, who: str = "ratioloss"):
@@ -29,7 +27,7 @@ def auxiliary_set(spec, per_class: int, who: str = "ratioloss"):
                             d.get("lt_profile", "exp"), d.get("n_max"), d.get("tail_classes", 3))
     in_lt = np.zeros(len(y), dtype=bool)
     in_lt[keep] = True
-    rng = np.random.default_rng(derive_seed(spec.seed, AUX_DRAW))
+    rng = np.random.default_rng(derive_seed(spec.seed, Purpose.AUX_DRAW))
     idx, overlap = [], 0
     for c in range(ds.num_classes):
         spare = rng.permutation(np.flatnonzero((y == c) & ~in_lt))[:per_class]

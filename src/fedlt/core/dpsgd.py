@@ -65,6 +65,7 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from ..errors import ConfigError
+from ..seeds import Purpose
 from .dp import ACCOUNTANTS, calibrated, default_delta, delta_problem, fresh_accountant, gaussian_steps
 from .dp import COUNTS, HOOKS, declared, reads_counts  # noqa: F401  (which methods run as DP-SGD: core.dp)
 from .noise import NOISE_SEEDS, keyed_seed
@@ -73,7 +74,6 @@ from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_lo
 from .training import Meter
 
 COUNTS_NOISE = 5.0  # --dp-counts-noise's default: the std, in samples, of the noise on each class count
-DP_COUNTS = 16  # the purpose of the class counts' noise draw (fedlt.engine.driver's purposes end at 15)
 HISTORY = "dp_history"  # a client's accountant entries [(z, q, steps)] of one message, sent beside num_examples (Flower)
 WORKING_MODELS = "smallcnn, cnn-mcmahan, vgg11 or mlp"
 
@@ -408,7 +408,7 @@ class SampleDP:
         from .noise import noise_generator
 
         counts = np.asarray(data.counts, dtype=np.float64)
-        gen = noise_generator(self.key, self.seed, DP_COUNTS, int(data.client_id))
+        gen = noise_generator(self.key, self.seed, Purpose.DP_COUNTS, int(data.client_id))
         noise = torch.randn(len(counts), generator=gen, dtype=torch.float64).numpy() * self.counts_noise
         view = copy.copy(data)
         view.counts = np.clip(np.rint(counts + noise), 0, None)

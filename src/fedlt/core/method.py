@@ -30,12 +30,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch import nn
 
 from ..decl import check_values, from_values
 from ..models import Model, build_model, model_options
+from ..seeds import derive_seed  # noqa: F401  (the methods' name for it: fedlt.core.derive_seed)
 from .finetune import build_finetune_model
 from .privacy import MODEL, Sent, check_declaration, sent
 from .spec import RunSpec, load_weights, weights_of
@@ -84,11 +84,6 @@ class Predictor:
     backbone: Callable[[torch.Tensor], torch.Tensor]
     head: Callable[[torch.Tensor], torch.Tensor]
     shared_backbone: bool = False
-
-
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed from a tuple of non-negative ints (run seed, purpose, round, client, ...)."""
-    return int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(2, np.uint64)[0] >> 1)
 
 
 class Stage(int):

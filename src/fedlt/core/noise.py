@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from ..seeds import derive_seed
 
 # --dp-noise-seed: where the noise's randomness comes from (docs/differential-privacy.md, "Where the noise comes from")
 NOISE_SEEDS = {"run": "run: a function of the run's seed (config.json records it) and the round; whoever knows the "
@@ -24,10 +25,8 @@ def new_key() -> str:
 
 def keyed_seed(key: str, *ints: int) -> int:
     """A 63-bit seed from secret ``key`` (64 hex digits) and ``ints`` (purpose, round, client, ...): the key's eight
-    32-bit words and the ints through ``numpy.random.SeedSequence`` (:func:`fedlt.core.method.derive_seed`), so that
+    32-bit words and the ints through ``numpy.random.SeedSequence`` (:func:`fedlt.seeds.derive_seed`), so that
     one who lacks the key cannot tell the seed, and two ints give unrelated seeds."""
-    from .method import derive_seed
-
     if len(key) != 64:
         raise ConfigError(f"a DP noise key has 64 hex digits, not {len(key)}: the checkpoint or --state-dir holding it "
                           f"is damaged")
@@ -70,6 +69,4 @@ def noise_source(cfg, level: str, deployed: bool = False) -> str:
 def noise_generator(key: str | None, seed: int, *ints: int) -> torch.Generator:
     """The generator of a DP noise draw: from the run's ``seed`` and ``ints`` (``--dp-noise-seed run``), or from the
     secret ``key`` and ``ints`` (``secret``)."""
-    from .method import derive_seed
-
     return torch.Generator().manual_seed(derive_seed(seed, *ints) if key is None else keyed_seed(key, *ints))

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..seeds import Purpose
 from .base import Dataset
 from .datasets import load_dataset
 from .split import default_lt_profile, leaf_sample_split, split_training_set
@@ -338,7 +339,7 @@ def client_test_index(counts: np.ndarray, test_y: np.ndarray, seed: int, client_
     for c, n in enumerate(counts[client_id]):
         t = int(np.floor(n / n_total * len(test_y)))
         if t > 0:
-            rng = rng or np.random.default_rng([seed, 6, client_id])
+            rng = rng or np.random.default_rng([seed, Purpose.LOCAL_TEST, client_id])
             pool = pools[c] if pools is not None else np.flatnonzero(test_y == c)
             out.append(rng.choice(pool, size=min(t, len(pool)), replace=False))
     return np.sort(np.concatenate(out)) if out else np.zeros(0, np.int64)
@@ -357,7 +358,7 @@ def own_test_split(part: np.ndarray, fraction: float, seed: int, client_id: int)
     such users; fedlt keeps every client). Returns (train, test), each in the client's sample order."""
     if fraction <= 0 or len(part) < 2:
         return part, part[:0]
-    train, test = leaf_sample_split(len(part), np.random.default_rng([seed, 14, client_id]), 1 - fraction)
+    train, test = leaf_sample_split(len(part), np.random.default_rng([seed, Purpose.OWN_TEST_SPLIT, client_id]), 1 - fraction)
     return part[train], part[test]
 
 
@@ -367,7 +368,7 @@ def own_test_splits(parts: Ragged, fraction: float, seed: int) -> tuple[Ragged, 
     sizes, offsets = parts.sizes(), parts.offsets
     test = np.zeros(len(parts.flat), bool)
     for k in np.flatnonzero(sizes >= 2):
-        _, t = leaf_sample_split(int(sizes[k]), np.random.default_rng([seed, 14, int(k)]), 1 - fraction)
+        _, t = leaf_sample_split(int(sizes[k]), np.random.default_rng([seed, Purpose.OWN_TEST_SPLIT, int(k)]), 1 - fraction)
         test[offsets[k] + t] = True
     before = np.concatenate([[0], np.cumsum(test)])
     n_test = before[offsets[1:]] - before[offsets[:-1]]

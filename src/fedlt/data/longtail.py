@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError
+from ..seeds import Purpose
 
 
 def check_ratio(rho: float) -> None:
@@ -29,7 +30,7 @@ def step_profile(num_classes: int, n_max: int, rho: float, num_tail: int, seed: 
     if not 0 <= num_tail <= num_classes:
         raise ConfigError(f"tail-classes must be between 0 and {num_classes}, got {num_tail}")
     counts = np.full(num_classes, n_max, dtype=np.int64)
-    tail = np.random.default_rng([seed, 7]).choice(num_classes, size=num_tail, replace=False)
+    tail = np.random.default_rng([seed, Purpose.TAIL_CLASSES]).choice(num_classes, size=num_tail, replace=False)
     counts[tail] = int(np.floor(n_max / rho))
     return counts
 
@@ -59,6 +60,6 @@ def longtail_indices(labels: np.ndarray, num_classes: int, rho: float, seed: int
     if len(short):  # n_max above a class's size is fine as long as every class has its n_c (BalanceFL: 3000)
         c = int(short[0])
         raise ConfigError(f"n_max {top}: class {c} should keep {counts[c]} samples but has {avail[c]}; lower --n-max")
-    rng = np.random.default_rng([seed, 1])
+    rng = np.random.default_rng([seed, Purpose.LONGTAIL_KEEP])
     keep = [rng.permutation(np.flatnonzero(labels == c))[: counts[c]] for c in range(num_classes)]
     return np.sort(np.concatenate(keep))

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..registry import DATASETS, PARTITIONS
+from ..seeds import Purpose
 from .base import capabilities_of
 
 
@@ -100,7 +101,7 @@ def dirichlet(labels, num_clients: int, num_classes: int, seed: int, alpha: floa
     labels = np.asarray(labels)
     if min_size * num_clients > len(labels):
         raise ConfigError(f"min-client-size {min_size} x {num_clients} clients exceeds the {len(labels)} samples")
-    rng = np.random.default_rng([seed, 2])
+    rng = np.random.default_rng([seed, Purpose.DIRICHLET])
     if balance:
         n = len(labels)
         draw = lambda: _capped_draw(labels, num_clients, num_classes, alpha, rng)  # noqa: E731
@@ -128,7 +129,7 @@ def shards(labels, num_clients: int, num_classes: int, seed: int, shards_per_cli
     if shards_per_client < 1 or n_shards > len(labels):
         raise ConfigError(f"{num_clients} clients x {shards_per_client} shards needs at least that many samples "
                           f"({len(labels)} available); lower --shards-per-client or --clients")
-    rng = np.random.default_rng([seed, 3])
+    rng = np.random.default_rng([seed, Purpose.SHARDS])
     order = np.argsort(labels, kind="stable")
     pieces = np.array_split(order, n_shards)
     perm = rng.permutation(n_shards)
@@ -139,7 +140,7 @@ def shards(labels, num_clients: int, num_classes: int, seed: int, shards_per_cli
 @reads()
 def iid(labels, num_clients: int, num_classes: int, seed: int, **_):
     """A uniformly random split into equal-size clients (a reference, no label skew)."""
-    rng = np.random.default_rng([seed, 4])
+    rng = np.random.default_rng([seed, Purpose.IID])
     return [np.sort(p) for p in np.array_split(rng.permutation(len(labels)), num_clients)]
 
 
@@ -153,7 +154,7 @@ def tau_sampling(labels, num_clients: int, num_classes: int, seed: int, tau: flo
     labels = np.asarray(labels)
     if not tau > 0:
         raise ConfigError(f"tau must be > 0, got {tau:g}")
-    rng = np.random.default_rng([seed, 5])
+    rng = np.random.default_rng([seed, Purpose.TAU_SAMPLING])
     pools = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in range(num_classes)}
     pools = {c: p for c, p in pools.items() if p}
     n_min = min(len(p) for p in pools.values())
@@ -188,7 +189,7 @@ def pathological(labels, num_clients: int, num_classes: int, seed: int, classes_
     labels = np.asarray(labels)
     if not 1 <= classes_per_client <= num_classes:
         raise ConfigError(f"classes-per-client must be between 1 and {num_classes}, got {classes_per_client}")
-    rng = np.random.default_rng([seed, 8])
+    rng = np.random.default_rng([seed, Purpose.PATHOLOGICAL])
     least = least_samples(len(labels), num_clients)
     room = np.full(num_clients, classes_per_client)
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
@@ -226,7 +227,7 @@ def extended_dirichlet(labels, num_clients: int, num_classes: int, seed: int, al
         raise ConfigError(f"Dirichlet alpha must be > 0, got {alpha:g}")
     if not 1 <= classes_per_client <= num_classes:
         raise ConfigError(f"classes-per-client must be between 1 and {num_classes}, got {classes_per_client}")
-    rng = np.random.default_rng([seed, 9])
+    rng = np.random.default_rng([seed, Purpose.EXTENDED_DIRICHLET])
     need = max(classes_per_client * num_clients // num_classes // 2, 1)
     for _ in range(max(1, max_tries)):
         has = np.zeros((num_clients, num_classes), dtype=bool)
@@ -258,7 +259,7 @@ def local_longtail(labels, num_clients: int, num_classes: int, seed: int, alpha:
     check_ratio(rho)
     if not alpha > 0:
         raise ConfigError(f"Dirichlet alpha must be > 0, got {alpha:g}")
-    rng = np.random.default_rng([seed, 10])
+    rng = np.random.default_rng([seed, Purpose.LOCAL_LONGTAIL])
     parts: list[list[int]] = [[] for _ in range(num_clients)]
     for c in range(num_classes):
         idx = rng.permutation(np.flatnonzero(labels == c))
@@ -296,7 +297,7 @@ def natural(labels, num_clients: int, num_classes: int, seed: int, groups=None, 
     users = np.unique(groups)
     if num_clients > len(users):
         raise ConfigError(f"--clients {num_clients} but the dataset has {len(users)} users; use at most {len(users)}")
-    chosen = np.sort(np.random.default_rng([seed, 11]).choice(users, size=num_clients, replace=False))
+    chosen = np.sort(np.random.default_rng([seed, Purpose.NATURAL]).choice(users, size=num_clients, replace=False))
     order = np.argsort(groups, kind="stable")
     starts = np.searchsorted(groups[order], chosen)
     ends = np.searchsorted(groups[order], chosen, side="right")

@@ -50,7 +50,8 @@ from ..core.steps import LocalSteps, StepModel, Trained, by_setting, frozen_net,
 from ..core.training import autocast
 from ..data.transforms import to_device
 from .clientstate import ClientStates
-from .driver import TRAIN, TRAINING, client_generator
+from ..seeds import Purpose
+from .driver import TRAINING, client_generator
 from .graphs import StepGraphs
 from .inprocess import InProcess
 
@@ -529,7 +530,7 @@ class Batched(InProcess):
         m, seed, cids, data = self.method, self.seed, list(payloads), self.fed.clients
         states = {c: self.client_state(c) for c in cids}
         jobs = [Job(m.local_steps(payloads[c], states[c], data[c]), data[c],
-                    lambda c=c: client_generator(seed, TRAIN, index, c), payloads[c].lr) for c in cids]
+                    lambda c=c: client_generator(seed, Purpose.TRAIN, index, c), payloads[c].lr) for c in cids]
         trained, fitted = train_batched(m, jobs, chunk, self.fitted, self.graphs)
         if chunk is None:
             self.fitted = fitted

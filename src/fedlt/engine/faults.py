@@ -25,7 +25,7 @@ The model (docs/dropout.md):
   the deadline (the round closes at the ``n``-th reply, or at the deadline). The round's simulated time is that
   of its last aggregated reply, or the deadline where fewer than ``n`` arrived.
 
-Every draw comes from generators of their own, keyed by the run's seed, a purpose and the round: the existing
+Every draw comes from generators of their own, keyed by the run's seed, a purpose (fedlt.seeds.Purpose) and the round: the existing
 sampling stream is untouched, and a resumed run draws what the uninterrupted one drew (nothing to checkpoint).
 """
 from __future__ import annotations
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import RATE, SPEED_PURPOSE, client_speeds
+from ..config import RATE, client_speeds
+from ..seeds import Purpose
 
-ONLINE, DROP, SPEED, SELECT = 20, 21, SPEED_PURPOSE, 23  # generator purposes (engine.driver uses 10-13)
 PROFILES = ("always", "size", "tail")
 
 
@@ -112,11 +112,11 @@ class Faults:
         if self.selects:
             counts = np.asarray(counts_of())
             K = len(counts)
-            rng = np.random.default_rng([seed, SELECT, rnd])
+            rng = np.random.default_rng([seed, Purpose.SELECT, rnd])
             pool = np.arange(K)
             if self.availability != "always":
                 p = self.availability_of(counts)
-                up = np.random.default_rng([seed, ONLINE, rnd]).random(K) < p
+                up = np.random.default_rng([seed, Purpose.ONLINE, rnd]).random(K) < p
                 pool = np.flatnonzero(up)
                 online = int(len(pool))
             want = min(K, math.ceil(self.over_select * per_round - 1e-9))
@@ -125,7 +125,7 @@ class Faults:
             wanted = per_round
         plan = RoundPlan(sampled, wanted, online)
         if self.drop_rate > 0 and sampled:
-            lost = np.random.default_rng([seed, DROP, rnd]).random(len(sampled)) < self.drop_rate
+            lost = np.random.default_rng([seed, Purpose.DROP, rnd]).random(len(sampled)) < self.drop_rate
             plan.dropped = {c for c, x in zip(sampled, lost) if x}
         if self.timed:
             if counts is None:

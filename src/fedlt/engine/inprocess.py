@@ -8,7 +8,8 @@ from ..core.method import Message, Method
 from ..core.training import autocast
 from ..metrics import evaluate
 from .clientstate import ClientStates
-from .driver import PHASE, TRAIN, TRAINING, client_generator
+from ..seeds import Purpose
+from .driver import TRAINING, client_generator
 
 
 def client_hook(method: Method, seed: int, kind: str, index: int, cid: int, payload: Message, cstate: dict,
@@ -17,9 +18,9 @@ def client_hook(method: Method, seed: int, kind: str, index: int, cid: int, payl
     (purpose, index, client) generator, under the run's autocast: (reply, new client state). The in-process
     engines and the worker processes (``engine.workers``) call it alike."""
     if kind == TRAINING:
-        purpose, call = TRAIN, method.local_train
+        purpose, call = Purpose.TRAIN, method.local_train
     else:
-        purpose, call = PHASE, (lambda p, s, d, g: method.phase_client(kind, p, s, d, g))
+        purpose, call = Purpose.PHASE, (lambda p, s, d, g: method.phase_client(kind, p, s, d, g))
     gen = client_generator(seed, purpose, index, cid)
     with autocast(method.spec):
         return call(payload, cstate, data, gen)

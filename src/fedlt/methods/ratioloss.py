@@ -53,7 +53,7 @@ from ..core.steps import LocalSteps
 from ..decl import setting
 from ..registry import METHODS
 
-MONITOR = 122  # seed purpose (121 is the auxiliary set's draw, core.auxiliary)
+MONITOR = 122  # seed purpose (not fedlt.seeds.Purpose.AUX_DRAW's 121, the auxiliary set's draw)
 
 
 def ratio_weights(w_last: torch.Tensor, monitors: torch.Tensor, threshold: float = 0.8, cap: float = 5000.0,

@@ -36,9 +36,10 @@ from flwr.server.strategy import Strategy
 
 from ...codec import pack, unpack
 from ...core.dp import UNCLIPPED
-from ...core.method import Message, derive_seed
+from ...core.method import Message
 from ...core.secagg import masked_keys, not_finite, numpy_seeded, replies_with_mean, update_of, vector
 from ...errors import ConfigError
+from ...seeds import Purpose, derive_seed
 from .records import control, from_records
 
 LAYOUT = "fedlt.layout"  # FitIns.config: where each parameter goes back and the other records (JSON)
@@ -229,7 +230,5 @@ def client_mod(msg: FlwrMessage, context: Context, call_next) -> FlwrMessage:
         return call_next(msg, context)
     from flwr.client.mod import secaggplus_mod
 
-    from ..driver import SECAGG
-
     with numpy_seeded(None):  # restored afterwards; the masked-vector stage seeds it from the run seed
-        return secaggplus_mod(msg, context, partial(_masked_train, call_next=call_next, seed_purpose=SECAGG))
+        return secaggplus_mod(msg, context, partial(_masked_train, call_next=call_next, seed_purpose=Purpose.SECAGG))
