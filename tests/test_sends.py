@@ -15,7 +15,8 @@ import torch
 
 from conftest import _FEDS, dies_in_round, method_test_params, small_config
 from fedlt.core.method import Message
-from fedlt.core.privacy import CATEGORIES, ENV, MODEL, SENT, UNDECLARED, Sent, categories_of, classify, exchange_of
+from fedlt.core.privacy import (CATEGORIES, ENV, MODEL, SENT, UNDECLARED, Sent, categories_of, classify, exchange_of,
+                                 sent, sends_with)
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.errors import ConfigError
 from fedlt.methods.fedavg import FedAvg
@@ -177,6 +178,24 @@ def test_categories_of_the_methods_the_issue_names():
 def test_a_sends_that_is_not_a_tuple_of_sent_is_refused():
     with pytest.raises(TypeError, match="Bad.sends must be a tuple"):
         type("Bad", (FedAvg,), {"sends": [Sent("x", "model", "w")]})
+
+
+def test_sends_built_by_name_match_as_declared():
+    """``sends_with``: the model entry replaced where it stands, a meta number placed before the statistics' "*"
+    (which the matching, first declared first, would otherwise take for it), an array and a phase's item added, a
+    named item left out; checked through the matching itself."""
+    body = sent(MODEL, "model-part", "the trained body")
+    a_norm, feats = sent("a_norm", "size", "a count", meta=True), sent("f.*", "features", "its features")
+    tuned = sent("num_examples", "size", "its size", meta=True, when="tune")
+    client = type("Client", (), {"sends": sends_with(FedAvg.sends, body, a_norm, feats, tuned)})()
+    client.net = torch.nn.Linear(2, 2)
+    t = torch.zeros(2)
+    rows = {r["name"]: r["category"] for r in classify(client, "rounds", Message(
+        {"weight": t, "f.x": t}, {"a_norm": 3, "loss": 0.5, "num_examples": 4}))}
+    assert rows == {"weight": "model-part", "f.x": "features", "a_norm": "size", "loss": "scalars", "num_examples": "size"}
+    assert [r["category"] for r in classify(client, "tune", Message({}, {"num_examples": 4}))] == ["size"]
+    assert len(client.sends) == len(FedAvg.sends) + 3
+    assert [s.name for s in sends_with(FedAvg.sends, without=(MODEL,))] == ["num_examples", "*"]
 
 
 def test_classify_rows():

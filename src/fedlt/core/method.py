@@ -127,8 +127,8 @@ class Method:
     State = ServerState  # the server state's fields (core.state): a method with more declares State(Base.State)
 
     # what its clients send, every array and meta value, in the rounds and in each phase (core.privacy, the page
-    # docs/privacy.md): a method whose replies differ declares its own beside its Params/State, often
-    # ``Base.sends + (sent(...), ...)``
+    # docs/privacy.md): a method whose replies differ declares its own beside its Params/State, built from its base
+    # class's by name: ``sends_with(Base.sends, sent(...), ...)`` (an item of the same name replaces the base's)
     sends: tuple[Sent, ...] = (
         sent(MODEL, "model", "the trained model, every entry of its state dict"),
         sent("num_examples", "size", "the number of training samples", meta=True),

@@ -3,7 +3,8 @@ checked against what they actually send.
 
 A method declares ``sends`` (:class:`Sent` entries, one per thing its clients send, in the training rounds and in
 each post-training phase), each with a category from :data:`CATEGORIES` that says what it reveals about the
-client's data. :func:`classify` matches a client's reply to the declaration, item by item; the run driver hands
+client's data (a subclass builds its own from its base class's by name: :func:`sends_with`). :func:`classify`
+matches a client's reply to the declaration, item by item; the run driver hands
 every exchange's replies to :func:`sends_check` (``FEDLT_CHECK_SENDS=1``: an undeclared item stops the run with
 one line; the test suite sets it) and the run directory records what left the clients in ``sent.jsonl``
 (:class:`SentLog`). ``fedlt list METHOD`` and the generated page ``docs/privacy.md`` show the declarations. What the
@@ -115,6 +116,24 @@ def sent(name: str, category: str, what: str, *, meta: bool = False, when: str =
          numbers_only: bool = False, dp: str = "") -> Sent:
     """A :class:`Sent` (its category checked against :data:`CATEGORIES`)."""
     return Sent(name, category, what, meta, when, numbers_only, dp)
+
+
+def sends_with(base: tuple[Sent, ...], *items: Sent, without: tuple[str, ...] = ()) -> tuple[Sent, ...]:
+    """A method's ``sends`` built from its base class's by name, not by position: each of ``items`` takes the place
+    of the base's item of the same name and ``when`` (``sent(MODEL, ...)``: what of the model travels), or else joins
+    them, before the first of the base's items that would match it first (the matching takes the first that applies,
+    so a meta number goes before the training statistics' ``"*"``), at the end where none would; ``without``: the
+    names of the base's items its clients do not send (``(MODEL,)``: no model)."""
+    out = [s for s in base if s.name not in without]
+    for item in items:
+        same = next((i for i, s in enumerate(out) if (s.name, s.when) == (item.name, item.when)), None)
+        if same is not None:
+            out[same] = item
+            continue
+        first = next((i for i, s in enumerate(out) if s.meta == item.meta and s.name != MODEL
+                      and (s.when == item.when or ANY in (s.when, item.when)) and fnmatchcase(item.name, s.name)), len(out))
+        out.insert(first, item)
+    return tuple(out)
 
 
 # What the engine's own protocol adds to a method's replies where the clients apply the DP themselves (Flower's

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..core import Message, Train, load_weights, make_optimizer, train_local, weighted_average, weights_of
 from ..core.personal import PartialSharing, personal_predictor
-from ..core.privacy import MODEL, sent
+from ..core.privacy import MODEL, sent, sends_with
 from ..decl import setting
 from ..models import head_keys
 from ..registry import METHODS
@@ -48,8 +48,9 @@ class FedBABU(PartialSharing):
         finetune_lr: float = setting(1e-3, "its fine-tuning lr (training used 0.1)", low=0)
         uniform: bool = setting(False, "true: average bodies without weights, as the official code does")
 
-    sends = (sent(MODEL, "model", "the trained body (the fixed head never leaves the client)"),) + \
-        PartialSharing.sends[1:] + (
+    sends = sends_with(
+        PartialSharing.sends,
+        sent(MODEL, "model", "the trained body (the fixed head never leaves the client)"),
         sent("num_examples", "size", "the number of training samples", meta=True, when="finetune"),
         sent("*", "scalars", "the fine-tuning's mean loss and steps", meta=True, numbers_only=True, when="finetune"),
     )

@@ -24,7 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..core import Predictor
 from ..core.personal import PartialSharing
-from ..core.privacy import MODEL, sent
+from ..core.privacy import MODEL, sent, sends_with
 from ..models import bn_keys
 from ..registry import METHODS
 
@@ -35,8 +35,8 @@ class FedBN(PartialSharing):
     class Params:
         pass
 
-    sends = (sent(MODEL, "model", "the trained model but its BatchNorm layers (they stay on the client)"),) + \
-        PartialSharing.sends[1:]
+    sends = sends_with(PartialSharing.sends,
+                       sent(MODEL, "model", "the trained model but its BatchNorm layers (they stay on the client)"))
     secagg = True  # the weighted mean of the shared entries (--secagg: core.secagg)
 
     def local_keys(self, model):

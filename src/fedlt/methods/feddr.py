@@ -46,7 +46,7 @@ from torch import nn
 from ..core import Message, Method, load_weights, make_optimizer, train_local, weights_of
 from ..core.etf import fixed_classifier
 from ..core.personal import personal_predictor
-from ..core.privacy import MODEL, sent
+from ..core.privacy import MODEL, sent, sends_with
 from ..core.steps import LocalSteps, Train, strip
 from ..decl import setting
 from ..models import backbone_keys
@@ -89,8 +89,9 @@ class FedDrPlus(Method):
         ft_lr: float | None = setting(None, "fine-tuning lr", low=0, low_open=True, none_means="the run's --lr",
                                       old_none="== 0")
 
-    sends = (sent(MODEL, "model", "the trained backbone (the fixed ETF classifier never travels)"),) + \
-        Method.sends[1:] + (
+    sends = sends_with(
+        Method.sends,
+        sent(MODEL, "model", "the trained backbone (the fixed ETF classifier never travels)"),
         sent("num_examples", "size", "the number of training samples", meta=True, when="finetune"),
         sent("*", "scalars", "the fine-tuning's mean loss and steps", meta=True, numbers_only=True, when="finetune"),
     )

@@ -46,7 +46,7 @@ from ..core.steps import LocalSteps, Train
 from ..core.training import momentum_of, set_momentum
 from ..core.losses import balanced_softmax_loss
 from ..core.priors import prior_counts
-from ..core.privacy import MODEL, sent
+from ..core.privacy import MODEL, sent, sends_with
 from ..decl import setting
 from ..errors import ConfigError
 from ..models import Model
@@ -132,8 +132,9 @@ class FedETF(Method):
         pers_lr_proj: float = setting(0.05, "SGD lr for the projection (momentum 0.9)", low=0)
         pers_wd_proj: float = setting(5e-4, "weight decay for the projection", low=0)
 
-    sends = (sent(MODEL, "model", "the trained backbone and projection (the fixed ETF classifier never "
-                  "travels)"),) + Method.sends[1:] + (
+    sends = sends_with(
+        Method.sends,
+        sent(MODEL, "model", "the trained backbone and projection (the fixed ETF classifier never travels)"),
         sent("num_examples", "size", "the number of training samples", meta=True, when="personalize"),
         sent("*", "scalars", "the personalization's balanced round: its mean loss and steps", meta=True,
              numbers_only=True, when="personalize"),

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import Message, Method, derive_seed, load_weights, train_local, weights_of
-from ..core.privacy import MODEL, sent
+from ..core.privacy import MODEL, sent, sends_with
 from ..core.vit import PromptedViT, load_vit
 from ..decl import setting
 from ..errors import ConfigError
@@ -120,7 +120,7 @@ class FedGPA(Method):
         double_weight: bool = setting(False, "official: the hook squares the weights of training and statistics")
 
     # the GPA statistics (per-class positive and negative gradient sums) stay on the client
-    sends = (sent(MODEL, "model", "the trained prompts and classifier"),) + Method.sends[1:]
+    sends = sends_with(Method.sends, sent(MODEL, "model", "the trained prompts and classifier"))
 
     def __init__(self, spec, params=None):
         super().__init__(spec, params)

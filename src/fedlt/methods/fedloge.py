@@ -92,7 +92,7 @@ from ..core import LocalSteps, Message, Meter, Method, Predictor, Train, derive_
 from ..core.etf import KINDS, PRECISIONS, SSE_LR, SSE_PRECISION, SSE_STEPS, cached_fixed_classifier, etf_report
 from ..core.losses import linear_heads_ce, masked_logits
 from ..core.personal import personal_net
-from ..core.privacy import MODEL, sent
+from ..core.privacy import MODEL, sent, sends_with
 from ..decl import setting
 from ..registry import METHODS
 
@@ -177,8 +177,9 @@ class FedLoGe(Method):
         has_fixed: list[int] | None = None  # send_fixed: the clients that have received it
         generic: dict[str, torch.Tensor] | None = None  # the GA-FR head {"weight", "bias"} (None: before the phase)
 
-    sends = (sent(MODEL, "model", "the trained backbone theta and auxiliary head psi (phi_k never leaves the "
-                  "client)"),) + Method.sends[1:] + (
+    sends = sends_with(
+        Method.sends,
+        sent(MODEL, "model", "the trained backbone theta and auxiliary head psi (phi_k never leaves the client)"),
         sent("num_examples", "size", "the number of training samples", meta=True, when="ga-fr"),
         sent("num_examples", "size", "the number of training samples", meta=True, when="la-fr"),
         sent("*", "scalars", "with finetune_epochs: the fine-tuning's mean loss", meta=True, numbers_only=True,

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core import Message, weighted_average
-from ..core.privacy import sent
+from ..core.privacy import sent, sends_with
 from ..core.server_opt import ParamKeys, server_step
 from ..core.training import effective_steps
 from ..decl import setting
@@ -49,10 +49,11 @@ class FedNova(ParamKeys, FedAvg):
     class Params:
         normalize_momentum: bool = setting(True, "||a_i||_1 counts local momentum (paper, official); false: tau_i")
 
-    sends = FedAvg.sends[:2] + (
+    sends = sends_with(
+        FedAvg.sends,
         sent("a_norm", "size", "||a_i||_1, the weight of its local steps (their count, with momentum): a function of "
              "its number of samples and the run's settings", meta=True),
-    ) + FedAvg.sends[2:]
+    )
 
     def local_reply(self, payload, cstate, data, out):
         """FedAvg's local steps, answered with ||a_i||_1 from their count."""

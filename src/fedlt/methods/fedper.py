@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.personal import PartialSharing
-from ..core.privacy import MODEL, sent
+from ..core.privacy import MODEL, sent, sends_with
 from ..models import head_keys
 from ..registry import METHODS
 
@@ -28,7 +28,8 @@ class FedPer(PartialSharing):
     class Params:
         pass
 
-    sends = (sent(MODEL, "model", "the trained body (the head never leaves the client)"),) + PartialSharing.sends[1:]
+    sends = sends_with(PartialSharing.sends,
+                       sent(MODEL, "model", "the trained body (the head never leaves the client)"))
     secagg = True  # the weighted mean of the body (--secagg: core.secagg)
 
     def local_keys(self, model):

@@ -17,7 +17,7 @@ import torch
 
 from ..core import Message, Method, load_weights, train_local, weights_of
 from ..core.personal import initial_weights, personal_predictor
-from ..core.privacy import sent
+from ..core.privacy import MODEL, sends_with
 from ..registry import METHODS
 
 
@@ -34,7 +34,7 @@ class Local(Method):
     class State(Method.State):
         weights: dict[str, torch.Tensor] | None = None  # None: no server model (every model stays on its client)
 
-    sends = Method.sends[1:]  # no model: only the number of samples and the training statistics
+    sends = sends_with(Method.sends, without=(MODEL,))  # no model: the number of samples and the training statistics
 
     def init_server(self) -> "Local.State":
         return self.State()

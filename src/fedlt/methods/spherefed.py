@@ -37,7 +37,7 @@ from torch import nn
 
 from ..core import EVALUATION, Message, Predictor, load_weights, make_optimizer, train_local, weights_of
 from ..core.etf import fixed_classifier
-from ..core.privacy import MODEL, sent
+from ..core.privacy import MODEL, sent, sends_with
 from ..decl import setting
 from ..errors import ConfigError
 from ..models import backbone_keys
@@ -87,8 +87,9 @@ class SphereFed(FedAvg):
     class State(FedAvg.State):
         calibrated_head: torch.Tensor | None = None  # [C, d] the calibration phase's classifier (None: none yet)
 
-    sends = (sent(MODEL, "model", "the trained backbone (the fixed classifier never travels)"),) + \
-        FedAvg.sends[1:] + (
+    sends = sends_with(
+        FedAvg.sends,
+        sent(MODEL, "model", "the trained backbone (the fixed classifier never travels)"),
         sent("hth", "class-moments", "A_k = H_k^T H_k, the second moment of its normalised features, [d, d]",
              when=PHASE),
         sent("hty", "class-means", "B_k = H_k^T Y_k, the per-class sums of its normalised features, [d, C]",
