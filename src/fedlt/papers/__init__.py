@@ -29,7 +29,7 @@ from functools import lru_cache
 from importlib import resources
 
 PAPERS = ("fedloge", "redgrape", "feddr", "balancefl", "fedrs", "fedlf", "gbme", "dflfs", "fedgpa", "fedwmsam",
-          "fednpc", "fedvls", "fedrela")
+          "fednpc", "fedvls", "fedrela", "ggeur")
 UNITS = {"fraction": 1.0, "percent": 0.01}
 
 
