@@ -86,7 +86,7 @@ def one(kind: str, tmp: Path, a, env: dict, settings: list[str], plain_settings:
         if kind == "fedlt":
             p = c.submit(*settings, name="fedlt", log="run")
         else:
-            from fedlt.engine.flower.deploy import write_connection
+            from fedlt.flower.deploy import write_connection
 
             write_connection(Path(c.env["FLWR_HOME"]), c.address, insecure=True)
             p = subprocess.Popen([shutil.which("flwr") or str(Path(sys.executable).with_name("flwr")), "run",

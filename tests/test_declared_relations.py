@@ -178,7 +178,7 @@ def test_flower_app_dir_naming_a_file_is_one_line(tmp_path):
 
 def test_flower_settings_refuse_nan_and_negative_timeouts():
     from fedlt.config import RunConfig
-    from fedlt.engine.flower.settings import to_run_config
+    from fedlt.flower.settings import to_run_config
 
     for bad in (-1, float("nan"), "x"):
         with pytest.raises(ConfigError, match="round-timeout"):

@@ -34,8 +34,8 @@ def test_the_checkpoint_default_is_preempts_constant():
 
 def test_the_flower_strategys_defaults_are_flower_defaults():
     pytest.importorskip("flwr")
-    from fedlt.engine.flower.settings import FLOWER_DEFAULTS
-    from fedlt.engine.flower.strategy import FedltStrategy
+    from fedlt.flower.settings import FLOWER_DEFAULTS
+    from fedlt.flower.strategy import FedltStrategy
 
     for arg in ("round_timeout", "wait_timeout", "poll_interval"):
         assert default(FedltStrategy.__init__, arg) == FLOWER_DEFAULTS[arg.replace("_", "-")], arg

@@ -17,7 +17,7 @@ pytest.importorskip("dp_accounting")
 from conftest import small_config  # noqa: E402
 from fedlt.core.dp import UNCLIPPED, ClientDP, class_means, client_reply, norm_of, split_stats  # noqa: E402
 from fedlt.core.method import Message  # noqa: E402
-from fedlt.engine.flower.inprocess import run_inprocess  # noqa: E402
+from fedlt.flower.inprocess import run_inprocess  # noqa: E402
 from fedlt.engine.flower.records import control, from_records  # noqa: E402
 from fedlt.errors import ConfigError  # noqa: E402
 from fedlt.metrics import GROUPS  # noqa: E402
@@ -227,7 +227,7 @@ def test_what_the_flower_engine_cannot_run_under_dp_is_one_line():
     from flwr.app import ArrayRecord, ConfigRecord
 
     from fedlt.config import RunConfig
-    from fedlt.engine.flower.strategy import FedltStrategy
+    from fedlt.flower.strategy import FedltStrategy
 
     base = dict(dataset="digits", clients=4, dp_clip=1.0, dp_noise=1.0)
     for over, says in (({"dp": "sample", "model": "resnet8"}, "BatchNorm"),

@@ -111,7 +111,7 @@ def test_supernodes_draw_their_dp_sgd_noise_from_their_own_keys_and_send_none(tm
     (the noise's size is the same), and no message a SuperNode sends holds its key."""
     pytest.importorskip("flwr")
     pytest.importorskip("opacus")
-    from fedlt.engine.flower.inprocess import run_inprocess
+    from fedlt.flower.inprocess import run_inprocess
     from fedlt.engine.flower.records import NOISE_KEY
 
     over = dict(dp="sample", dp_clip=1.0, dp_noise=1.0, clients=4, participation=0.5, rounds=2, eval_every=2,
@@ -136,8 +136,8 @@ def test_the_noise_seeds_default_is_the_engines_run_where_fedlt_runs_every_clien
     `flwr run` starts (the app `fedlt flower run` writes) serves as a deployment, Flower's simulation does not."""
     pytest.importorskip("flwr")
     from fedlt.config import RunConfig
-    from fedlt.engine.flower import server_app
-    from fedlt.engine.flower.settings import flatten, to_run_config
+    from fedlt.flower import server_app
+    from fedlt.flower.settings import flatten, to_run_config
 
     assert [dpmod.noise_seed(None, d) for d in (False, True)] == ["run", "secret"]
     assert [dpmod.noise_seed(c, d) for c in ("run", "secret") for d in (False, True)] == ["run"] * 2 + ["secret"] * 2
@@ -175,7 +175,7 @@ def test_on_a_deployment_each_supernode_draws_its_dp_sgd_noise_from_its_own_key_
     SuperNode draws a key, the model is the simulator's and the line says the server can subtract the noise."""
     pytest.importorskip("flwr")
     pytest.importorskip("opacus")
-    from fedlt.engine.flower.inprocess import run_inprocess
+    from fedlt.flower.inprocess import run_inprocess
     from fedlt.engine.flower.records import NOISE_KEY
 
     over = dict(dp="sample", dp_clip=1.0, dp_noise=1.0, clients=4, participation=0.5, rounds=2, eval_every=2,

@@ -263,7 +263,7 @@ def test_kill_9_and_resume_draw_the_same_clients_losses_and_deadlines(tmp_path):
 # ---------------------------------------------------------------------------------------------- Flower
 def test_flower_inprocess_loses_the_replies_the_simulation_loses(tmp_path):
     pytest.importorskip("flwr")
-    from fedlt.engine.flower.inprocess import run_inprocess
+    from fedlt.flower.inprocess import run_inprocess
 
     over = dict(rounds=3, eval_every=3, **FAULTY)
     sim, final = run_small(**over)
@@ -281,8 +281,8 @@ def test_flowers_own_round_loop_loses_the_same_replies():
     pytest.importorskip("flwr")
     from flwr.app import ArrayRecord
 
-    from fedlt.engine.flower.inprocess import InProcessGrid, server_identity
-    from fedlt.engine.flower.strategy import FedltStrategy
+    from fedlt.flower.inprocess import InProcessGrid, server_identity
+    from fedlt.flower.strategy import FedltStrategy
 
     over = dict(method="fedprox", rounds=2, eval_every=1, drop_rate=0.5, availability="tail")
     cfg = small_config(**over)

@@ -233,7 +233,7 @@ def test_kill_9_and_resume_with_lora_give_the_uninterrupted_run(vit, tmp_path):
 def test_flower_runs_the_same_and_its_replies_hold_only_what_trains(vit, tmp_path, mode):
     """Flower's engine (in process): the simulation's weights, and the replies as in the simulation."""
     pytest.importorskip("flwr")
-    from fedlt.engine.flower.inprocess import run_inprocess
+    from fedlt.flower.inprocess import run_inprocess
 
     over = dict(finetune=mode, model=vit, rounds=2, eval_every=2, clients=4, local_epochs=1)
     pr, cfg = _prepared(vit, **over)
@@ -296,7 +296,7 @@ def test_a_supernodes_own_data_is_encoded_under_head(vit, tmp_path):
     pytest.importorskip("flwr")
     import numpy as np
 
-    from fedlt.engine.flower.client_app import load_client_dir
+    from fedlt.engine.flower.client import load_client_dir
 
     pr, _ = _prepared(vit, finetune="head")
     c0 = pr.fed.clients[0]

@@ -16,10 +16,10 @@ from fedlt.core.method import Message  # noqa: E402
 from fedlt.errors import ConfigError  # noqa: E402
 from fedlt.runner.rundir import federation_for  # noqa: E402
 from fedlt.codec import pack, unpack  # noqa: E402
-from fedlt.engine.flower.inprocess import InProcessGrid, run_inprocess, server_identity  # noqa: E402
+from fedlt.flower.inprocess import InProcessGrid, run_inprocess, server_identity  # noqa: E402
 from fedlt.engine.flower.records import CSTATE_ARRAYS, from_records, to_records  # noqa: E402
-from fedlt.engine.flower.settings import flatten, from_run_config, to_run_config  # noqa: E402
-from fedlt.engine.flower.strategy import FedltStrategy  # noqa: E402
+from fedlt.flower.settings import flatten, from_run_config, to_run_config  # noqa: E402
+from fedlt.flower.strategy import FedltStrategy  # noqa: E402
 from fedlt.registry import METHODS  # noqa: E402
 
 QUIET = dict(echo=lambda s: None)
@@ -92,7 +92,7 @@ def test_run_config_roundtrip_and_app_dir(tmp_path):
     from flwr.cli.config_utils import load_and_validate
     from flwr.common.config import flatten_dict
 
-    from fedlt.engine.flower.deploy import write_app
+    from fedlt.flower.deploy import write_app
 
     cfg = small_config(method="fedprox", params={"mu": 0.1}, out=str(tmp_path / "runs"), name="x")
     flat = flatten(to_run_config(cfg, round_timeout=30))
@@ -110,7 +110,7 @@ def test_run_config_roundtrip_and_app_dir(tmp_path):
 def test_process_command_lines():
     from flwr.common.config import parse_config_args
 
-    from fedlt.engine.flower.deploy import superlink_argv, supernode_argv
+    from fedlt.flower.deploy import superlink_argv, supernode_argv
 
     with pytest.raises(ConfigError, match="TLS"):
         superlink_argv()
@@ -328,7 +328,7 @@ def test_a_restarted_supernodes_copy_is_awaited_though_the_dead_nodes_copy_fails
     copy re-sent is still on its way; a node that never comes back is still recorded missing with its error."""
     from types import SimpleNamespace
 
-    import fedlt.engine.flower.strategy as strategy
+    import fedlt.engine.flower.transport as strategy
     from flwr.app import ConfigRecord, Message as FlwrMessage, RecordDict
 
     monkeypatch.setattr(strategy, "RESTART_LOOK", 0.0)
@@ -468,15 +468,32 @@ def test_a_resumed_deployment_rolls_every_client_back_to_the_checkpointed_round(
                 assert torch.allclose(got[k], v, atol=1e-6), (cid, k)
 
 
-def test_app_directories_written_before_the_engines_moved_still_find_their_apps():
-    """``fedlt flower app`` once wrote ``fedlt.flower.server_app:app`` / ``client_app:app`` into an app directory's
-    pyproject.toml: those names are the engine's apps (now in fedlt.engine.flower)."""
+def test_app_directories_written_before_the_apps_moved_still_run(tmp_path):
+    """``fedlt flower app`` wrote ``fedlt.flower.server_app:app`` / ``client_app:app`` into an app directory's
+    pyproject.toml, then ``fedlt.engine.flower.*`` while the apps lived in the engine: such a directory passes
+    Flower's own check (which reads the attribute from the module's file with ``ast``) and its components load
+    as the very apps of today's (``fedlt.moved``); so does every other module path of the old place."""
     import importlib
 
+    from flwr.cli.config_utils import load_and_validate
+    from flwr.supercore.object_ref import load_app
+
+    from fedlt.flower.deploy import write_app
+
+    write_app(tmp_path / "app", small_config(out=str(tmp_path / "runs")))
+    toml = tmp_path / "app" / "pyproject.toml"
+    assert '"fedlt.flower.server_app:app"' in toml.read_text()
+    toml.write_text(toml.read_text().replace('"fedlt.flower.', '"fedlt.engine.flower.'))
+    conf, errors = load_and_validate(toml, check_module=True)
+    assert conf is not None, errors
+    components = conf["tool"]["flwr"]["app"]["components"]
     for part in ("server_app", "client_app"):
-        old = importlib.import_module(f"fedlt.flower.{part}")
-        new = importlib.import_module(f"fedlt.engine.flower.{part}")
-        assert old.app is new.app
+        ref = components[part.replace("_", "")]
+        assert ref == f"fedlt.engine.flower.{part}:app"
+        assert load_app(ref, ValueError, tmp_path / "app") is importlib.import_module(f"fedlt.flower.{part}").app
+    for part in ("strategy", "simulation", "deploy", "settings", "inprocess"):
+        assert importlib.import_module(f"fedlt.engine.flower.{part}") is importlib.import_module(f"fedlt.flower.{part}")
+    assert importlib.import_module("fedlt.engine.flower.strategy").FedltStrategy.run
 
 
 # ------------------------------------------------------------------------------------------- exchanges per round
@@ -568,7 +585,7 @@ def test_a_flower_clients_training_imports_no_torch_dynamo():
     import sys
 
     code = ("import sys; sys.path.insert(0, 'tests'); from conftest import small_config; import tempfile\n"
-            "from fedlt.engine.flower.inprocess import run_inprocess\n"
+            "from fedlt.flower.inprocess import run_inprocess\n"
             "with tempfile.TemporaryDirectory() as d:\n"
             "    run_inprocess(small_config(method='fedavg', out=d, name='x', rounds=2), echo=lambda *a: None)\n"
             "print('torch._dynamo' in sys.modules)")

@@ -173,7 +173,7 @@ def test_tls_problem_names_the_setting_to_fix(tls_server):
     """The one TLS handshake fedlt makes before a SuperNode or `fedlt flower run` starts Flower: the right CA passes,
     another CA, --insecure against TLS and a CA against a server without TLS each give the line that names what to
     change; nothing listening is no problem yet (Flower's clients retry)."""
-    from fedlt.engine.flower.deploy import tls_problem
+    from fedlt.flower.deploy import tls_problem
 
     tls, secure, plain = tls_server
     assert tls_problem(secure, False, str(tls / "ca.crt")) is None
@@ -197,7 +197,7 @@ def test_flower_refusals_are_read_as_one_line(tls_server):
     from flwr.supercore.error.base import ApiErrorCode
     from flwr.supercore.error.catalog import API_ERROR_MAP
 
-    from fedlt.engine.flower.deploy import supernode_refusal
+    from fedlt.flower.deploy import supernode_refusal
 
     tls, secure, _ = tls_server
 

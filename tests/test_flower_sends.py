@@ -17,7 +17,7 @@ pytest.importorskip("flwr")
 
 from conftest import _FEDS, method_test_params, small_config  # noqa: E402
 from fedlt.core.privacy import UNDECLARED, classify, engine_match  # noqa: E402
-from fedlt.engine.flower.inprocess import run_inprocess  # noqa: E402
+from fedlt.flower.inprocess import run_inprocess  # noqa: E402
 from fedlt.engine.flower.records import control, from_records  # noqa: E402
 from fedlt.engine.flower.sends import (DESCRIBE, ENGINE, EVALUATE, PHASE, SENDS, TITLE, TRAIN,  # noqa: E402
                                        TRAIN_EVALUATE, fields_of)

@@ -67,7 +67,7 @@ def test_the_ray_that_fedlt_starts_runs_its_workers_at_normal_priority():
     at niceness 0 it ended in 120 s). fedlt starts Ray with its workers at the caller's priority."""
     pytest.importorskip("ray")
     code = ("import os, ray\n"
-            "from fedlt.engine.flower.simulation import _init_ray\n"
+            "from fedlt.flower.simulation import _init_ray\n"
             "_init_ray({'num_cpus': 1, 'object_store_memory': 83886080, 'log_to_driver': False})\n"
             "print('niceness', os.nice(0), ray.get(ray.remote(lambda: os.nice(0)).remote()))\n")
     p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=240)

@@ -1,5 +1,5 @@
 """Flower Datasets both ways (issue 34 item 2): fedlt's long-tailed clients as a Flower Datasets partitioner
-(``fedlt.engine.flower.datasets.LongTailPartitioner``, row for row the clients of a run's partition.json), and a
+(``fedlt.flower.datasets.LongTailPartitioner``, row for row the clients of a run's partition.json), and a
 Hugging Face dataset with any Flower Datasets partitioner as a fedlt run (``--dataset hf:DIR``,
 ``--partition flwr:CLASS``). No network: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, telemetry off (conftest)."""
 from __future__ import annotations
@@ -61,7 +61,7 @@ def fmnist_or_digits():
 def test_long_tail_partitioner_gives_the_clients_of_a_runs_partition_json(tmp_path):
     from flwr_datasets import FederatedDataset
 
-    from fedlt.engine.flower.datasets import LongTailPartitioner
+    from fedlt.flower.datasets import LongTailPartitioner
 
     ds = fmnist_or_digits()
     r = fedlt("run", "--dataset", ds.name, "--clients", "20", "--rounds", "1", "--local-epochs", "0",
@@ -97,7 +97,7 @@ def test_long_tail_partitioner_gives_the_clients_of_a_runs_partition_json(tmp_pa
                                       dict(partition="flwr:DirichletPartitioner", imbalance_ratio=10, seed=1,
                                            partition_args={"alpha": 0.3, "min_partition_size": 2})])
 def test_long_tail_partitioner_takes_every_partition_and_its_settings(settings):
-    from fedlt.engine.flower.datasets import LongTailPartitioner
+    from fedlt.flower.datasets import LongTailPartitioner
 
     ds = load_dataset("digits")
     run = federation_for(load_config(None, {"dataset": "digits", "clients": 8, **settings})).train_indices()
@@ -107,7 +107,7 @@ def test_long_tail_partitioner_takes_every_partition_and_its_settings(settings):
 
 
 def test_long_tail_partitioner_bad_settings():
-    from fedlt.engine.flower.datasets import LongTailPartitioner
+    from fedlt.flower.datasets import LongTailPartitioner
 
     with pytest.raises(TypeError, match="rounds"):
         LongTailPartitioner(8, rounds=3)
@@ -187,7 +187,7 @@ def test_bad_columns_and_partitioners_are_one_line_exit_2_and_write_nothing(save
 
 
 def test_partition_args_reach_a_flower_deployment_run_config():
-    from fedlt.engine.flower.settings import flatten, from_run_config, to_run_config
+    from fedlt.flower.settings import flatten, from_run_config, to_run_config
 
     cfg = load_config(None, {"dataset": "digits", "partition": "flwr:DirichletPartitioner", "clients": 6,
                              "params": {"partition.alpha": "0.3", "partition.min_partition_size": 3}})

@@ -110,7 +110,7 @@ def test_bf16_trains_close_to_fp32():
 
 def test_flower_client_app_on_cuda(tmp_path):
     pytest.importorskip("flwr")
-    from fedlt.engine.flower.inprocess import run_inprocess
+    from fedlt.flower.inprocess import run_inprocess
 
     cfg = small_config(method="fedloge", params=_params("fedloge"), rounds=2, eval_every=2, device="cuda",
                        out=str(tmp_path), name="fl")

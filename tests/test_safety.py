@@ -178,7 +178,7 @@ def test_malicious_flower_client_state_and_client_data_are_refused(tmp_path):
     from flwr.app import RecordDict
 
     from fedlt.core.method import RunSpec
-    from fedlt.engine.flower.client_app import load_client_dir
+    from fedlt.engine.flower.client import load_client_dir
     from fedlt.engine.flower.records import load_client_state, save_client_state, state_file
 
     marker = tmp_path / "PWNED"

@@ -202,7 +202,7 @@ def test_dp_on_flower_with_secagg_gives_the_simulators_model_and_masks_the_clipp
 
 
 def _inprocess(tmp, name, fault=None, **over):
-    from fedlt.engine.flower.inprocess import run_inprocess
+    from fedlt.flower.inprocess import run_inprocess
 
     cfg = small_config(**{**ONE, **over}, out=str(tmp), name=name)
     lines: list[str] = []

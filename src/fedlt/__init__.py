@@ -9,6 +9,13 @@ declared hyper-parameter), ``sent`` (a declared thing its clients send), ``METHO
 """
 __version__ = "0.1.0"
 
+from .moved import keep_old_paths  # noqa: E402
+
+# Modules that moved keep their old paths (fedlt.moved): app directories that `fedlt flower app` wrote name
+# fedlt.engine.flower.server_app:app / client_app:app, and docs named fedlt.engine.flower.datasets.
+keep_old_paths({f"fedlt.engine.flower.{m}": f"fedlt.flower.{m}" for m in (
+    "server_app", "client_app", "strategy", "simulation", "deploy", "datasets", "settings", "inprocess")})
+
 from .errors import ConfigError, DataError, FedltError  # noqa: E402
 from .registry import DATASETS, METHODS, MODELS, PARTITIONS  # noqa: E402
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..engine.flower.settings import FLOWER_DEFAULTS
+from ..flower.settings import FLOWER_DEFAULTS
 from .run import add_config_arguments, add_resume_arguments, config_from_args
 
 NAME = "flower"
@@ -175,7 +175,7 @@ def _flwr_run(argv: list[str], env: dict, follow: bool, out: Path | None = None,
     import re
 
     from ..errors import Interrupted
-    from ..engine.flower import deploy
+    from ..flower import deploy
 
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_id, box, lost = None, [], False
@@ -234,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
     from ..engine.flower import require_flwr
 
     require_flwr()
-    from ..engine.flower import deploy
+    from ..flower import deploy
 
     cmd = args.flower_command
     if cmd == "superlink":
@@ -283,7 +283,7 @@ def main(args: argparse.Namespace) -> int:
             shutil.rmtree(env["FLWR_HOME"], ignore_errors=True)
     if cmd == "simulate":
         from ..runner.preempt import Preempted
-        from ..engine.flower.simulation import backend_config_of, run_simulation
+        from ..flower.simulation import backend_config_of, run_simulation
 
         backend = backend_config_of(args.cpus_per_client, args.gpus_per_client, args.ray_address, args.backend_config)
         try:
@@ -294,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
             os._exit(e.exit_status)
         return 0
     if cmd == "inprocess":
-        from ..engine.flower.inprocess import run_inprocess
+        from ..flower.inprocess import run_inprocess
 
         run_inprocess(cfg, **_flower_kw(args))
         return 0

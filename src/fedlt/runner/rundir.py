@@ -21,16 +21,15 @@ import torch
 
 from ..config import RunConfig, name_part
 from ..core.dpsgd import unamplified_words
-from ..core.finetune import GapMeter, adapter_rows, feature_federation, head_spec
+from ..core.finetune import GapMeter, adapter_rows, feature_federation
 from ..core.method import Method, RunSpec
 from ..core.privacy import SentLog
 from ..core.state import tree_of
-from ..data import Federation, build_federation
-from ..data.partition import partition_settings
-from ..data.split import default_lt_profile, partition_document
-from ..decl import settings_values
+from ..data import Federation
+from ..data.split import partition_document
 from ..engine import EngineConfig, Simulation
 from ..engine.driver import TRAINING
+from ..engine.federation import federation_for, lt_profile_of, make_spec  # noqa: F401 (their names here too)
 from ..errors import ConfigError, Diverged
 from ..jsonutil import dumps
 from ..metrics import GROUPS
@@ -49,39 +48,12 @@ class Prepared:
     spec: RunSpec
 
 
-def make_spec(cfg: RunConfig, fed: Federation) -> RunSpec:
-    """The method's RunSpec: every setting the spec reads (``decl.settings_values``), and what the data says (of
-    ``fed`` as loaded: under ``--finetune head`` the spec's input is the frozen backbone's features, which
-    :func:`prepare` makes of it)."""
-    spec = RunSpec(model=cfg.model or fed.dataset.default_model, in_shape=fed.in_shape, num_classes=fed.num_classes,
-                   cache_dir=os.environ.get("FEDLT_CACHE"), **settings_values(cfg, "spec"),
-                   data=dict(dataset=cfg.dataset, data_dir=cfg.data_dir, imbalance_ratio=cfg.imbalance_ratio,
-                             lt_profile=lt_profile_of(cfg, fed), tail_classes=cfg.tail_classes, n_max=cfg.n_max,
-                             seed=cfg.seed, dataset_kw=cfg.dataset_kw(), input_mean=list(fed.prep.mean),
-                             input_std=list(fed.prep.std), class_names=list(fed.dataset.class_names),
-                             input_shape=list(fed.in_shape)))
-    return head_spec(spec) if spec.finetune == "head" else spec  # its models' input: the backbone's features
-
-
 def input_note(spec: RunSpec, in_shape) -> str:
     """The line a run prints about a pre-trained model's input (how the dataset's images are made its own); ""
     for other models."""
     from ..pretrained import is_pretrained, load_for
 
     return load_for(spec).describe(in_shape) if is_pretrained(spec.model) else ""
-
-
-def lt_profile_of(cfg: RunConfig, fed: Federation) -> str:
-    """The long-tail profile the run uses (``cfg.lt_profile`` None: the dataset's default)."""
-    return fed.settings.get("lt_profile") or cfg.lt_profile or default_lt_profile(cfg.dataset, cfg.partition,
-                                                                                    cfg.partition_file)
-
-
-def federation_for(cfg: RunConfig) -> Federation:
-    return build_federation(cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes,
-                            cfg.n_max, cfg.partition, cfg.clients, cfg.seed, cfg.device,
-                            partition_settings(cfg.partition, cfg), cfg.dataset_kw(), placement_mode=cfg.data_placement, partition_file=cfg.partition_file,
-                            client_test_fraction=cfg.client_test_fraction)
 
 
 def set_determinism(on: bool) -> None:

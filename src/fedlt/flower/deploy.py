@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...config import RunConfig
-from ...errors import ConfigError
+from ..config import RunConfig
+from ..errors import ConfigError
 from .settings import to_run_config
 
 QUIET_ENV = {
@@ -184,8 +184,8 @@ def write_app(app_dir: str | Path, cfg: RunConfig, **flower: Any) -> Path:
         f'description = "fedlt: {cfg.method} on {cfg.dataset}"', 'license = "Apache-2.0"',
         "dependencies = []", "",
         "[tool.flwr.app]", 'publisher = "fedlt"', "",
-        "[tool.flwr.app.components]", 'serverapp = "fedlt.engine.flower.server_app:app"',
-        'clientapp = "fedlt.engine.flower.client_app:app"', "",
+        "[tool.flwr.app.components]", 'serverapp = "fedlt.flower.server_app:app"',
+        'clientapp = "fedlt.flower.client_app:app"', "",
     ] + _toml_table("tool.flwr.app.config", conf)
     (app_dir / "pyproject.toml").write_text("\n".join(lines) + "\n")
     return app_dir

@@ -2,7 +2,7 @@
 (``pip install 'fedlt[flwr-datasets]'``; docs/flower-datasets.md)::
 
     from flwr_datasets import FederatedDataset
-    from fedlt.engine.flower.datasets import LongTailPartitioner
+    from fedlt.flower.datasets import LongTailPartitioner
 
     fds = FederatedDataset(dataset="uoft-cs/cifar10",
                            partitioners={"train": LongTailPartitioner(20, imbalance_ratio=100, alpha=0.5)})
@@ -27,15 +27,15 @@ import numpy as np
 try:
     from flwr_datasets.partitioner import Partitioner
 except ImportError:  # pragma: no cover - the extra is missing
-    raise ImportError("fedlt.engine.flower.datasets needs Flower Datasets; install it with: "
+    raise ImportError("fedlt.flower.datasets needs Flower Datasets; install it with: "
                       "pip install 'fedlt[flwr-datasets]'") from None
 
-from ...config import load_config
-from ...data.federated import check_clients
-from ...data.hf import column
-from ...data.partition import partition_settings
-from ...data.split import split_training_set
-from ...registry import PARTITIONS
+from ..config import load_config
+from ..data.federated import check_clients
+from ..data.hf import column
+from ..data.partition import partition_settings
+from ..data.split import split_training_set
+from ..registry import PARTITIONS
 
 LONG_TAIL = ("lt_profile", "n_max", "tail_classes")  # the long-tail construction's settings besides the ratio
 

@@ -1,25 +1,23 @@
-"""The fedlt strategy: one Flower ``Strategy`` that drives any registered method's server hooks.
-
-:meth:`FedltStrategy.run` runs a fedlt run on a Flower ``Grid`` (in-process, or the SuperLink's) by the run
-driver (``fedlt.engine.driver``), the one round loop of every engine, with :class:`GridTransport` carrying its
-messages:
+"""The Flower engine's server side: :class:`GridServer` runs a fedlt run's exchanges on a Flower ``Grid`` (in-process,
+or the SuperLink's) for the run driver (``fedlt.engine.driver``), the one round loop of every engine, with
+:class:`GridTransport` carrying its messages:
 
 1. ``query.describe`` to every SuperNode: each says its client id and whether it serves a client of the run's
    partition (whose label counts and sizes the server rebuilds from the run's settings); only one holding its own
    data says its label counts and sizes, and under ``--dp`` less (:mod:`.sends` declares each form:
-   :meth:`FedltStrategy._info`, :meth:`FedltStrategy._counts`); the run waits until the run's ``clients`` distinct ids are there
-   (``wait_timeout``), then writes ``config.json`` and ``partition.json``. SuperNodes that appear later (a
-   restart) are described at the start of a round.
+   :meth:`GridServer._info`, :meth:`GridServer._counts`); the run waits until the run's ``clients`` distinct ids
+   are there (``wait_timeout``). SuperNodes that appear later (a restart) are described at the start of a round.
 2. every round, phase and evaluation of the driver: one message per client (``train`` with the round's lr,
    ``train.phase``, ``evaluate`` with ``method.eval_payload``; where :meth:`GridTransport.rides` allows, a round's
    evaluation goes with the next round's training message, ``train.evaluate``); the replies that come back within
    ``round_timeout`` count, failed or silent clients are recorded as missing. GM is computed on the server
    (balanced test set), PM on the clients, aggregated as the simulation does.
-3. the run directory, checkpoints and resume as for every engine (``fedlt.runner.rundir.run_recorded``), plus the
-   missing clients of every round in ``summary.json``.
+
+The run itself -- the run directory, checkpoints and resume as for every engine -- is the Flower app's
+(``fedlt.flower.strategy.FedltStrategy.run``, above the runner); this module imports no runner.
 
 The classic ``Strategy.start`` also works (training rounds and the per-round evaluation through
-``configure_*`` / ``aggregate_*``), but only :meth:`run` does the phases, ``--secagg`` (Flower's SecAgg+ in the
+``configure_*`` / ``aggregate_*``), but only the run does the phases, ``--secagg`` (Flower's SecAgg+ in the
 training rounds: ``fedlt.engine.flower.secagg``), ``--dp client`` (the ClientApp clips, the driver checks each reply
 and adds the noise: ``fedlt.core.dp``), ``--dp sample`` (each SuperNode trains by DP-SGD and sends its accountant's
 entries, the driver keeps every client's accountant: ``fedlt.core.dpsgd``) and writes the run directory.
@@ -31,7 +29,6 @@ import json
 import time
 import uuid
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -50,28 +47,29 @@ from ...data.datasets import load_dataset
 from ...data.federated import Prep
 from ..clientstate import ClientStates
 from ..driver import TRAINING, Driver, EngineConfig, is_eval_round
+from ..federation import make_spec
+from . import TIMING
 from ...errors import ConfigError
-from ...runner.rundir import make_spec, run_dir_for, run_recorded
-from ...metrics import GROUPS, evaluate as evaluate_global, headline, shot_split, summarize_personal
+from ...metrics import GROUPS, evaluate as evaluate_global, shot_split, summarize_personal
 from ...plugins import method_class
-from .client_app import RIDING, global_state_records, job_text, partition_federation
+from .client import RIDING, global_state_records, job_text, partition_federation
 from .records import control, from_records, load_client_state, save_client_state, state_tag, to_records
 from .sends import (DESCRIBE, ENGINE, EVALUATE, PHASE as PHASE_REPLY, SENDS, TRAIN as TRAIN_REPLY, TRAIN_EVALUATE,
                     WHERE, fields_of)
-from .settings import FLOWER_DEFAULTS
 
 
-RESTART_LOOK = 2.0  # s between a round's looks for restarted SuperNodes (FedltStrategy.exchange)
+RESTART_LOOK = 2.0  # s between a round's looks for restarted SuperNodes (GridServer.exchange)
 WIRE = {"counts": "counts", "test-size": "test_size", "num-examples": "num_examples"}  # describe's fields -> info's
 
 
-class FedltStrategy(Strategy):
-    """Server side of a fedlt run on Flower. ``state`` is the method's server state; nothing about a
-    specific method is known here."""
+class GridServer(Strategy):
+    """Server side of a fedlt run on Flower, as a Flower ``Strategy``: the run's method and driver, its SuperNodes
+    and its exchanges with them. ``state`` is the method's server state; nothing about a specific method is known
+    here. The run's entry, which records it in a run directory, is ``fedlt.flower.strategy.FedltStrategy``."""
 
-    def __init__(self, cfg: RunConfig, round_timeout: float = FLOWER_DEFAULTS["round-timeout"],
-                 wait_timeout: float = FLOWER_DEFAULTS["wait-timeout"],
-                 poll_interval: float = FLOWER_DEFAULTS["poll-interval"], echo: Callable[[str], None] = print,
+    def __init__(self, cfg: RunConfig, round_timeout: float = TIMING["round-timeout"],
+                 wait_timeout: float = TIMING["wait-timeout"],
+                 poll_interval: float = TIMING["poll-interval"], echo: Callable[[str], None] = print,
                  progress: bool = False, deployed: bool = False):
         self.cfg, self.round_timeout, self.wait_timeout = cfg, float(round_timeout), float(wait_timeout)
         self.poll_interval, self.echo = float(poll_interval), echo
@@ -357,41 +355,6 @@ class FedltStrategy(Strategy):
         return {"personal": self._personal(got), "untested": sum(str(control(rd)["source"]) == "none"
                                                                 for rd in got.values())}
 
-    # ------------------------------------------------------------------ the run
-    def run(self, grid: Grid, out: Path | None = None, *, checkpoint_every: int = 0, resume: bool = False) -> dict:
-        """The whole run by the run driver over ``grid``; writes the run directory (``cfg.out``/``cfg.name``)
-        as every engine does (``fedlt.runner.rundir.run_recorded``: checkpoints every ``checkpoint_every``
-        rounds, ``resume`` from one) and returns the summary."""
-        from ...runner.runstate import check_resumable, owned_run_dir
-
-        cfg = self.cfg
-        out = Path(out) if out is not None else run_dir_for(cfg)
-        if resume:
-            check_resumable(out)
-        self.transport.grid = grid
-        self.echo(f"fedlt: waiting for {cfg.clients} SuperNodes (at most {self.wait_timeout:g} s)")
-        self.connect(grid)
-        self._counts()
-        config = {**cfg.to_dict(), "model": self.spec.model, "lt_profile_used": self.spec.data.get("lt_profile"),
-                  "method_params": vars(self.method.p), "engine": "flower", "flower": {
-                      "round_timeout": self.round_timeout, "wait_timeout": self.wait_timeout,
-                      "nodes": {str(c): n for c, n in sorted(self.nodes.items())}}}
-
-        def say(d):  # each round as it is recorded (one whose PM rides in the next round's messages: then)
-            for rec in d.recorded:
-                ev = rec.get("eval")
-                said = (", ".join(f"{k} {v:.4f}" for k, v in headline(ev).items() if v is not None) if ev
-                        else f"train loss {rec['train_loss']}")
-                self.echo(f"round {rec['round']}: {said}")
-
-        self.driver.after_round.append(say)
-        with owned_run_dir(out):
-            return run_recorded(self.driver, cfg, out, config, self.fed,
-                                [self.info[c]["test_size"] for c in sorted(self.info) if "test_size" in self.info[c]],
-                                self.echo,
-                                checkpoint_every=checkpoint_every, resume=resume, engine="flower")
-
-
 class GridTransport:
     """The driver's transport over a Flower ``Grid``: one message per client (``train`` with the round and,
     in its config, the round's lr; ``train.phase``, ``evaluate``), replies within ``round_timeout``; clients that
@@ -401,10 +364,10 @@ class GridTransport:
     the fedlt run, whose id (``run``) a checkpoint keeps, so that a resumed run (a new Flower run) finds them.
     Every message says which round the client's state must reflect and which rounds the server may resume from
     (:meth:`state_control`), so that a run resumed from its checkpoint of round r rolls each client back to the
-    version of round r. On an :class:`~fedlt.engine.flower.inprocess.InProcessGrid`, whose nodes live in this process,
+    version of round r. On an :class:`~fedlt.flower.inprocess.InProcessGrid`, whose nodes live in this process,
     the states are also read for checkpoints and written back on resume."""
 
-    def __init__(self, strategy: FedltStrategy, grid: Grid | None = None):
+    def __init__(self, strategy: GridServer, grid: Grid | None = None):
         self.st, self.grid = strategy, grid
         self.store: ClientStates | None = None  # the run directory's copy of the client states (checkpoints)
         self.run = uuid.uuid4().hex[:16]  # the fedlt run's id; a resumed run takes its checkpoint's
@@ -494,7 +457,7 @@ class GridTransport:
                 and rnd < cfg.rounds and set(clients) <= set(self.st.driver.sampled(rnd + 1)))
 
     def ridden(self) -> tuple[dict, dict[int, str]]:
-        """The riding evaluation's PM part (as :meth:`FedltStrategy.evaluate` makes it) and its clients missing."""
+        """The riding evaluation's PM part (as :meth:`GridServer.evaluate` makes it) and its clients missing."""
         (got, why), self.rode = self.rode, ({}, {})
         return self.st._pm(got), why
 

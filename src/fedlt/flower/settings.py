@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...config import FIELDS, RunConfig, load_config
-from ...errors import ConfigError
-from ...runner.preempt import DEFAULT_CHECKPOINT_EVERY
+from ..config import FIELDS, RunConfig, load_config
+from ..engine.flower import TIMING
+from ..errors import ConfigError
+from ..runner.preempt import DEFAULT_CHECKPOINT_EVERY
 
-FLOWER_DEFAULTS = {"round-timeout": 600.0, "wait-timeout": 300.0, "poll-interval": 0.5,
-                   "checkpoint-every": float(DEFAULT_CHECKPOINT_EVERY), "resume": 0.0}
+FLOWER_DEFAULTS = {**TIMING, "checkpoint-every": float(DEFAULT_CHECKPOINT_EVERY), "resume": 0.0}
 
 
 def flower_value(name: str, v: Any) -> float:

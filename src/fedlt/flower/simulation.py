@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...config import RunConfig
-from ...errors import ConfigError
-from ...runner.rundir import run_dir_for
-from ...runner.preempt import Preempted, again, retake, stopped_without_checkpoint
-from ...runner.raystart import start_ray
-from ...runner.runstate import has_checkpoint
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..runner.rundir import run_dir_for
+from ..runner.preempt import Preempted, again, retake, stopped_without_checkpoint
+from ..runner.raystart import start_ray
+from ..runner.runstate import has_checkpoint
 
 INSTALL = "pip install 'fedlt[simulation]'"
 POLL = 0.01  # s between the server's looks for replies: in one process these are cheap (a SuperLink's default: 0.5)

@@ -20,7 +20,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
-from ...config import RunConfig
+from ..config import RunConfig
 from .client_app import app as client_app
 from .settings import FLOWER_DEFAULTS
 from .strategy import FedltStrategy

@@ -1,4 +1,5 @@
-"""The one generic fedlt ClientApp: it runs any registered method's client hooks on a SuperNode's data.
+"""The handlers of the one generic fedlt ClientApp (``fedlt.flower.client_app:app``, which routes each message type
+to its handler here): any registered method's client hooks on a SuperNode's data.
 
 Messages it answers (every server message carries a ``fedlt`` ConfigRecord with the run's settings, so a
 client needs nothing but its data and this package):
@@ -75,7 +76,6 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Context, Message as FlwrMessage, RecordDict
-from flwr.clientapp import ClientApp
 
 from ...config import RunConfig
 from ...core.dp import STATS_CLIP, class_means, client_reply, phase_reply
@@ -89,17 +89,14 @@ from ...core.state import tree_of
 from ...data.federated import ClientData, Prep
 from ...data.partition import partition_settings
 from ...core.training import autocast
-from ...seeds import Purpose
-from ..driver import client_generator
+from ..federation import federation_for
+from ..driver import PHASE, TRAIN, client_generator
 from ...errors import ConfigError, DataError
 from ...metrics import as_modes, client_reports, client_split
 from ...plugins import method_class
 from .records import (control, enter_session, from_records, load_client_state, node_noise_key, records_value,
                       save_client_state, to_records)
-from .secagg import client_mod as secagg_mod
 from .sends import DESCRIBE, REPORTED, SENDS
-
-app = ClientApp()
 
 
 # ------------------------------------------------------------------------- the run, as the server sent it
@@ -155,8 +152,6 @@ def _method(job: Job, device: str) -> Method:
 def partition_federation(cfg: RunConfig, device: str):
     """The federation the run's settings describe (whose client K a SuperNode with ``partition-id=K`` serves),
     built once per process."""
-    from ...runner.rundir import federation_for
-
     key = json.dumps([cfg.dataset, cfg.data_dir, cfg.imbalance_ratio, cfg.lt_profile, cfg.tail_classes, cfg.n_max,
                       cfg.partition, partition_settings(cfg.partition, cfg), cfg.partition_file, cfg.dataset_kw(),
                       cfg.clients, cfg.seed, cfg.client_test_fraction, device], sort_keys=True, default=str)
@@ -292,7 +287,6 @@ class Node:
 
 
 # ------------------------------------------------------------------------- handlers
-@app.query("describe")
 def describe(msg: FlwrMessage, context: Context) -> FlwrMessage:
     """Who it is (its client id, whether it serves the run's partition) and, from a SuperNode holding its own data,
     the facts of it that the engine declares for the run's --dp mode (:mod:`.sends`: its label counts and sizes;
@@ -311,13 +305,11 @@ def describe(msg: FlwrMessage, context: Context) -> FlwrMessage:
     return node.reply(msg, partition=False, **said)
 
 
-@app.train(mods=[secagg_mod])  # a SecAgg+ round's messages through Flower's secaggplus_mod (--secagg)
 def train(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
     return _trained(node, msg, context, node.client_state(context))
 
 
-@app.train("evaluate")
 def train_evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
     """A round's training whose message also carries the previous round's evaluation (the server's
     ``GridTransport.ride``): PM as :func:`evaluate` computes it, on the client state the training then starts from
@@ -333,7 +325,7 @@ def _trained(node: Node, msg: FlwrMessage, context: Context, cstate: dict, **sai
     kept, under --dp client clipped, under --dp sample the accountant's entries; ``said``: further engine fields."""
     ctl = control(msg.content)
     rnd = int(ctl["round"])
-    gen = client_generator(node.job.cfg.seed, Purpose.TRAIN, rnd, node.cid)
+    gen = client_generator(node.job.cfg.seed, TRAIN, rnd, node.cid)
     payload = from_records(msg.content)
     with autocast(node.method.spec):
         reply, cstate = node.method.local_train(payload, cstate, node.data, gen)
@@ -350,12 +342,11 @@ def _trained(node: Node, msg: FlwrMessage, context: Context, cstate: dict, **sai
     return node.reply(msg, reply, **{"has-state": bool(cstate)}, **said)
 
 
-@app.train("phase")
 def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
     ctl = control(msg.content)
     name, index = str(ctl["phase"]), int(ctl["index"])
-    gen = client_generator(node.job.cfg.seed, Purpose.PHASE, index, node.cid)
+    gen = client_generator(node.job.cfg.seed, PHASE, index, node.cid)
     with autocast(node.method.spec):
         reply, cstate = node.method.phase_client(name, from_records(msg.content), node.client_state(context),
                                                  node.data, gen)
@@ -367,7 +358,6 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
     return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 
-@app.evaluate()
 def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
     """PM on the client's own test set; the reports go back as JSON (accuracy, many/medium/few: :mod:`.sends`)."""
     node = Node.of(msg, context)
