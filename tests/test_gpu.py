@@ -29,7 +29,8 @@ SLOW = {"moon": (4, {"mu": 1.0}), "fednh": (6, {}), "perfedavg": (6, {}), "fedyo
         "creff": (4, {"ipc": 20, "match_epochs": 30, "crt_epochs": 60}),
         "clip2fl": (4, {"match_epochs": 20, "crt_epochs": 50}),
         # their learning tests' settings: FedLF's centres after a 2-round warm-up (with none, GM stays at chance
-        # in 2 rounds: 0.2 on CPU and H200 alike); GBME at s = 10 (s = 30 collapses on 8x8 digits, its docstring)
+        # in 2 rounds: 0.2 on CPU and H200 alike); GBME at s = 10 (s = 30 collapses on 8x8 digits,
+        # docs/fmnist-lt-new-methods.md)
         "fedlf": (8, {"warmup_rounds": 2}), "gbme": (8, {"scale": 10.0})}
 _FEDS: dict = {}
 

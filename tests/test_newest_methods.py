@@ -170,7 +170,8 @@ def test_gbme_expert_rounds_train_and_average_one_expert_per_client():
 
 def test_gbme_balanced_experts_lift_the_few_classes_above_fedavg(trained):
     """At s = 10: on 8x8 digits smallcnn's features start at a norm of about 1.6, where s = 30 makes the first local
-    epoch overshoot and the global model collapse to one class on every CPU kernel (gbme's docstring, "Stability").
+    epoch overshoot and the global model collapse to one class on every CPU kernel (docs/fmnist-lt-new-methods.md,
+    "GBME's cosine heads on small features").
     Seeds 0 and 1, 16 rounds (seen on the AVX-512, AVX2 and default kernels: GBME few 0.79-0.85 a seed where
     FedAvg has 0.60 and 0.54, GM 0.88-0.91 against 0.85 and 0.81)."""
     few, ref_few, acc = [], [], []

@@ -54,16 +54,11 @@ estimator writes the estimated classifier into the global expert 0 in place (the
 leaves the estimation pass changed), and for the first 60 % of the rounds its server does no FedAvg of the
 backbone (the clients' updates are discarded until the expert phase); fedlt averages every round.
 
-Stability (issue 41): the cosine head's gradient with respect to a feature h is s / |h| times a vector of norm at
-most 2. The official expert ResNet's pooled features are large; fedlt's smallcnn on 8x8 digits starts at |h|
-about 1.6, so at s = 30 the backbone receives about 19x the gradient of a unit-scale head. At the protocol's
-lr 0.05 and momentum 0.9 the first local epoch then overshoots (the features' norm grows 75x in six steps, a
-quarter of the active ReLU units die) and the global model predicts one class for every input: the smoke
-preset's final GM is 10.00 (chance) at seed 0 on torch's AVX-512, AVX2 and default kernels, 18.1 and 10.0 at seeds
-1 and 2 (AVX-512); the run says so in one line (the collapse warning of fedlt.engine.driver).
-``--set scale=10`` (s / |h| about 6) or ``--lr 0.01`` trains there (the suite's GBME test uses scale 10);
-Fashion-MNIST's 28x28 inputs give larger features, and the fmnist-lt rows use s = 30. The official local optimiser is SGD lr 0.5 / momentum 0.9 / weight decay 5e-4,
-batch 64, 2 epochs.
+Small features: the cosine head's gradient with respect to a feature h is s / |h| times a vector of norm at most
+2, so on small features (smallcnn on 8x8 digits) s = 30 can overshoot in the first local epoch and collapse the
+global model to one class (the run warns in one line); ``--set scale=10`` or ``--lr 0.01`` trains there. What was
+measured: docs/fmnist-lt-new-methods.md, "GBME's cosine heads on small features". The official local optimiser is
+SGD lr 0.5 / momentum 0.9 / weight decay 5e-4, batch 64, 2 epochs.
 """
 from __future__ import annotations
 
