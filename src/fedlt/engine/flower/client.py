@@ -90,7 +90,8 @@ from ...data.federated import ClientData, Prep
 from ...data.partition import partition_settings
 from ...core.training import autocast
 from ..federation import federation_for
-from ..driver import PHASE, TRAIN, client_generator
+from ...seeds import Purpose
+from ..driver import client_generator
 from ...errors import ConfigError, DataError
 from ...metrics import as_modes, client_reports, client_split
 from ...plugins import method_class
@@ -325,7 +326,7 @@ def _trained(node: Node, msg: FlwrMessage, context: Context, cstate: dict, **sai
     kept, under --dp client clipped, under --dp sample the accountant's entries; ``said``: further engine fields."""
     ctl = control(msg.content)
     rnd = int(ctl["round"])
-    gen = client_generator(node.job.cfg.seed, TRAIN, rnd, node.cid)
+    gen = client_generator(node.job.cfg.seed, Purpose.TRAIN, rnd, node.cid)
     payload = from_records(msg.content)
     with autocast(node.method.spec):
         reply, cstate = node.method.local_train(payload, cstate, node.data, gen)
@@ -346,7 +347,7 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node = Node.of(msg, context)
     ctl = control(msg.content)
     name, index = str(ctl["phase"]), int(ctl["index"])
-    gen = client_generator(node.job.cfg.seed, PHASE, index, node.cid)
+    gen = client_generator(node.job.cfg.seed, Purpose.PHASE, index, node.cid)
     with autocast(node.method.spec):
         reply, cstate = node.method.phase_client(name, from_records(msg.content), node.client_state(context),
                                                  node.data, gen)
