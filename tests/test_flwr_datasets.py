@@ -106,6 +106,17 @@ def test_long_tail_partitioner_takes_every_partition_and_its_settings(settings):
     assert [list(p.indices(k)) for k in range(8)] == [list(r) for r in run]
 
 
+def test_long_tail_partitioner_keeps_each_path_a_user_imported_it_by():
+    """``LongTailPartitioner`` moved (fedlt.flower.datasets -> fedlt.engine.flower.datasets -> back): a fresh
+    interpreter importing it by either path gets the one class, a Flower Datasets partitioner."""
+    code = ("from fedlt.engine.flower.datasets import LongTailPartitioner as Old\n"
+            "from fedlt.flower.datasets import LongTailPartitioner as New\n"
+            "from flwr_datasets.partitioner import Partitioner\n"
+            "print(Old is New, issubclass(New, Partitioner), New.__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["True", "True", "fedlt.flower.datasets"], out.stderr[-2000:]
+
+
 def test_long_tail_partitioner_bad_settings():
     from fedlt.flower.datasets import LongTailPartitioner
 

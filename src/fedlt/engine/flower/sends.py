@@ -32,7 +32,7 @@ DESCRIBE, TRAIN, PHASE, EVALUATE = "describe", "train", "train.phase", "evaluate
 # the training reply's fields and the evaluation reply's
 TRAIN_EVALUATE = "train.evaluate"
 REPORTS = "reports"  # an evaluation reply's JSON field, declared per entry: reports.MODE.ENTRY
-REPORTED = ("acc", *GROUPS, "nonfinite")  # what an evaluation report holds, per mode (client_app.evaluate)
+REPORTED = ("acc", *GROUPS, "nonfinite")  # what an evaluation report holds, per mode (client.evaluate)
 
 
 def _riding(name: str, messages: tuple[str, ...], dp: tuple[str, ...]) -> EngineSent:
