@@ -204,6 +204,9 @@ def layer_report(root: Path, layers: list[tuple[str, list[str]]]) -> str:
         return max(found)[1] if found else None
 
     lines = [f"{m} ({paths[m]}) is in no layer: add it to the table" for m in sorted(graph) if level(paths[m]) is None]
+    lines += [f"layer {name!r} names {e}, inside {f} of layer {other!r}: every folder is one layer"
+              for name, entries in layers for e in entries for other, folders in layers for f in folders
+              if f.endswith("/") and e != f and e.startswith(f)]
     lines += [f"layer {name!r} names {e}, which holds no module" for name, entries in layers for e in entries
               if not any(p == e or (e.endswith("/") and p.startswith(e)) for p in paths.values())]
     for mod in sorted(graph):
@@ -218,7 +221,8 @@ def layer_report(root: Path, layers: list[tuple[str, list[str]]]) -> str:
 
 def test_imports_point_down_the_layers_of_the_architecture_page():
     """Every module is in one layer of docs/architecture.md's table, and imports only its own layer or those
-    below (an import inside a function counts too)."""
+    below (an import inside a function counts too); every folder is one layer (no entry inside another's folder:
+    the Flower engine, engine/flower/, is an engine and imports no runner; the apps over it are flower/)."""
     layers = read_layers(ARCHITECTURE)
     assert len(layers) >= 8 and layers[0][0] == "command line" and "registry.py" in layers[-1][1], layers
     report = layer_report(SRC, layers)
@@ -241,6 +245,9 @@ def test_a_planted_upward_import_is_named(tmp_path):
     lines = layer_report(_package(tmp_path / "odd", files), layers[:2] + [("bottom", ["helpers.py"])]).splitlines()
     assert lines == ["pkg.util (util.py) is in no layer: add it to the table",
                      "layer 'bottom' names helpers.py, which holds no module"]
+    nested = [("top", ["app.py", "__init__.py", "core/base.py"]), ("core", ["core/"]), ("bottom", ["util.py"])]
+    assert layer_report(_package(tmp_path / "nested", files), nested) == (
+        "layer 'top' names core/base.py, inside core/ of layer 'core': every folder is one layer")
 
 
 # ------------------------------------------------------------------------------ methods stand on core
