@@ -318,9 +318,11 @@ def settings_page(fedlt) -> str:
 
 
 def relations_section(fedlt) -> list[str]:
-    """The relations between settings (``fedlt.config.RELATIONS``, ``TIMING``), each with the example that breaks
-    it and the one line fedlt answers it with (computed here: the page cannot drift from the checks)."""
-    from fedlt.config import FAST_RUN, RELATIONS, TIMING, load_config
+    """The relations between settings (``fedlt.config.RELATIONS``, ``fedlt.engine.faults.RELATIONS``), each with the
+    example that breaks it and the one line fedlt answers it with (computed here: the page cannot drift from the
+    checks)."""
+    from fedlt.config import FAST_RUN, RELATIONS, load_config
+    from fedlt.engine.faults import RELATIONS as TIMING, check_settings
     from fedlt.errors import ConfigError
 
     out = ["", "## Relations between settings", "",
@@ -337,7 +339,7 @@ def relations_section(fedlt) -> list[str]:
                                for name, val in bad.items()
                                for k, v in (val.items() if name == "params" else [(name, val)]))
             try:
-                load_config(None, {**FAST_RUN, **bad})
+                check_settings(load_config(None, {**FAST_RUN, **bad}))
             except ConfigError as e:
                 said = str(e)
         out.append(f"| {_cell(r.text())} | {example} | {_cell(said)} |")

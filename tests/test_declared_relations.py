@@ -16,8 +16,9 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from fedlt.config import FAST_RUN, RELATIONS, TIMING, load_config  # noqa: E402
+from fedlt.config import FAST_RUN, RELATIONS, load_config  # noqa: E402
 from fedlt.decl import Relation, check_relations, is_set  # noqa: E402
+from fedlt.engine.faults import RELATIONS as TIMING, check_settings  # noqa: E402
 from fedlt.errors import ConfigError  # noqa: E402
 from test_declared_inputs import FAST, refused, run_cli, toml_of  # noqa: E402
 
@@ -72,8 +73,8 @@ def test_breaking_each_relation_is_one_line_and_writes_nothing(r, data):
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         if channel == "api":  # the ConfigError itself: one line, naming the setting
-            with pytest.raises(ConfigError) as e:
-                load_config(None, {**FAST_RUN, "out": str(t / "runs"), **over})
+            with pytest.raises(ConfigError) as e:  # the engine's relations: checked as a run is prepared
+                check_settings(load_config(None, {**FAST_RUN, "out": str(t / "runs"), **over}))
             assert "\n" not in str(e.value) and any(n in str(e.value) for n in _names(r)), str(e.value)
             assert not any(t.iterdir())
             return

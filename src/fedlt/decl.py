@@ -77,9 +77,9 @@ class Decl:
     # the parts of a run that read the setting ("spec": the method's RunSpec, "engine": the driver's EngineConfig;
     # "spec:num_clients": read there under another name): those dataclasses are derived from the declarations
     reads: tuple[str, ...] = ()
-    # (other setting, the values of it that take this one[, a configuration whose other value does not]): elsewhere
-    # the run would ignore this setting, so a value other than its default is refused (:func:`only_with_relations`);
-    # the values: a tuple, or GIVEN (the other set to anything but its default)
+    # (other setting, the values of it that take this one[, configurations whose other value does not][, why, in
+    # words]): elsewhere the run would ignore this setting, so a value other than its default is refused
+    # (:func:`only_with_relations`); the values: a tuple, or GIVEN (the other set to anything but its default)
     only_with: tuple | None = None
 
     def allowed(self) -> tuple | None:
@@ -828,6 +828,8 @@ def example_of(s: Setting) -> Any:
         return not s.default
     if (allowed := s.decl.allowed()) is not None:
         return next(c for c in allowed if c != s.default)
+    if s.kind is str:
+        return "1"  # text, which a notation of its own (rounds: lr-milestones) reads too
     low, high = s.decl.low or 0, s.decl.high
     value = (low + high) / 2 if high is not None and high - low <= 2 else low + 1
     if value == s.default:
@@ -837,14 +839,17 @@ def example_of(s: Setting) -> Any:
 
 def only_with_relations(cls: type) -> list[Relation]:
     """The "applies only when" relations that the settings of ``cls`` declare with ``only_with`` (:class:`Decl`):
-    each one's test, its one-line message (what takes it, and "add that or drop it") and its bad examples (the
-    setting at :func:`example_of`, the other at its default, and in the configuration the declaration gives)."""
+    each one's test, its one-line message (what takes it, the declaration's why, and "add that or drop it") and its
+    bad examples (the setting at :func:`example_of`, the other at its default, and in the configurations the
+    declaration gives)."""
     table = settings_of(cls)
     out = []
     for name, s in table.items():
         if s.decl.only_with is None:
             continue
-        other, values, *elsewhere = s.decl.only_with
+        other, values, *rest = s.decl.only_with
+        elsewhere = [e for e in rest if isinstance(e, dict)]
+        why = "".join(f" ({e})" for e in rest if isinstance(e, str))
         o = table[other]
         if values == GIVEN:
             holds = (lambda n: lambda c: is_set(c, n))(other)
@@ -857,7 +862,7 @@ def only_with_relations(cls: type) -> list[Relation]:
             takes = words([f"{o.flag} {v}" for v in values], "and")
             add = "one" if len(values) > 1 else takes
         bad = ({name: example_of(s)}, *({**e, name: example_of(s)} for e in elsewhere))
-        out.append(applies_when(name, holds, f"{s.flag} applies to {takes}; add {add} or drop it", others=(other,),
+        out.append(applies_when(name, holds, f"{s.flag} applies to {takes}{why}; add {add} or drop it", others=(other,),
                                 bad=bad))
     return out
 

@@ -95,7 +95,7 @@ import torch
 from torch import nn
 
 from .data.transforms import to_model_input
-from .decl import TRAIN, setting
+from .decl import TRAIN, Relation, applies_when, requires, setting
 from .errors import ConfigError
 
 __all__ = ["FAMILIES", "HEADS", "Preprocess", "Pretrained", "PretrainedBackbone", "PretrainedSettings", "load",
@@ -132,7 +132,7 @@ class PretrainedSettings:
                                   "hf:<a CLIP model>)", choices=HEADS, group=TRAIN, reads=("spec",))
     head_fixed: bool = setting(False, "--head clip-text: keep the classifier at the text embeddings (zero-shot "
                                       "CLIP's) instead of starting there and training it", group=TRAIN,
-                               reads=("spec",))
+                               reads=("spec",), only_with=("head", ("clip-text",)))
 
 
 @dataclass(frozen=True)
@@ -666,3 +666,21 @@ def hf_clip_as_openai(ref: str) -> tuple[dict[str, torch.Tensor], dict]:
                              ("layer_norm2", "ln_2"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
                 out[f"{b}{dst}.{w}"] = v[f"{a}{src}.{w}"]
     return out, config.get("vision_config") or config
+
+
+# the relations of the settings declared here (PretrainedSettings) that their declarations (only_with) do not make;
+# the run configuration includes them (fedlt.config.RELATIONS)
+RELATIONS: list[Relation] = [
+    applies_when("pretrained_size", lambda c: is_pretrained(c.model),
+                 lambda c: f"--pretrained-size applies to pre-trained models (--model efficientnet-lite0 or "
+                           f"hf:<hub id or directory>), not {c.model or 'the dataset default'}; drop it",
+                 others=("model",), bad=({"pretrained_size": 64},)),
+    requires("head_fixed", lambda c: c.finetune != "head" or c.local_epochs == 0,
+             "--head-fixed with --finetune head leaves nothing to train (zero-shot CLIP): add --local-epochs 0 to "
+             "evaluate it, or drop --head-fixed", when=lambda c: c.head_fixed, others=("finetune", "local_epochs"),
+             bad=({"head": "clip-text", "head_fixed": True, "finetune": "head"},)),
+    requires("head", lambda c: is_clip(c.model),
+             lambda c: f"--head clip-text needs a CLIP model: --model hf:<a CLIP model's hub id or directory> (e.g. "
+                       f"hf:openai/clip-vit-base-patch32), not {c.model or 'the dataset default'}; or --head linear",
+             when=lambda c: c.head == "clip-text", others=("model",), bad=({"head": "clip-text"},)),
+]

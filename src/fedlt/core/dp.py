@@ -200,18 +200,49 @@ def noise_for(target: float, rate: float, rounds: int, delta: float, accountant:
     return z
 
 
+def solved_noise(given: float | None, target: float | None, rate: float, rounds: int, delta: float,
+                 accountant: str = "rdp") -> float:
+    """--dp client's noise multiplier: ``given`` (--dp-noise), else the one solved for ``target`` (--dp-epsilon) over
+    ``rounds`` rounds at sampling rate ``rate`` (:func:`noise_for`). The run's (:class:`ClientDP`) and its
+    validation's (``fedlt.core.privacy_settings``)."""
+    return float(given) if given is not None else noise_for(target, rate, rounds, delta, accountant)
+
+
+COUNT_SHARE = 20  # adaptive clipping's count noise by default: the expected clients a round / 20 (Andrew et al.)
+
+
+def count_noise_of(given: float | None, per_round: float) -> float:
+    """The std of the noise on adaptive clipping's count of unclipped updates: ``given`` (--dp-count-noise), else
+    Andrew et al.'s default, the expected clients a round / 20."""
+    return float(given) if given is not None else per_round / COUNT_SHARE
+
+
+def release_count(means: tuple[str, ...]) -> int:
+    """The releases of a round besides adaptive clipping's count: the update, and each class-mean's sums and
+    counts (``means``: the prefixes, :func:`class_means`)."""
+    return 1 + 2 * len(means)
+
+
+def split_problem(noise: float, count_noise: float | None) -> str | None:
+    """Why adaptive clipping's count (noise std ``count_noise``; None: a fixed clip) leaves nothing of the round's
+    noise multiplier ``noise`` to the other releases (:func:`update_noise`), or None: its noise must exceed half."""
+    if count_noise is None or noise == 0 or 2 * count_noise > noise:
+        return None
+    return (f"adaptive clipping splits the noise multiplier {noise:g} between the update and the count of unclipped "
+            f"updates, whose noise {count_noise:g} must exceed half of it; raise --dp-count-noise above "
+            f"{noise / 2:g}, or lower the noise (--dp-noise, or a larger --dp-epsilon)")
+
+
 def update_noise(noise: float, count_noise: float | None = None, releases: int = 1) -> float:
     """The noise multiplier of each of the round's ``releases`` (the update, and each class-mean's sums and counts)
     when together with adaptive clipping's count (noise std ``count_noise``, sensitivity 1/2; None: a fixed clip)
     they make one Gaussian mechanism of multiplier ``noise`` (Andrew et al., Theorem 1: ``noise^-2`` is the sum of
     the releases' ``z^-2``), shared equally. A count noise at most ``noise / 2`` leaves nothing for the rest: a
     one-line error."""
+    if (why := split_problem(noise, count_noise)) is not None:
+        raise ConfigError(why)
     if noise == 0:
         return 0.0
-    if count_noise is not None and 2 * count_noise <= noise:
-        raise ConfigError(f"adaptive clipping splits the noise multiplier {noise:g} between the update and the count "
-                          f"of unclipped updates, whose noise {count_noise:g} must exceed half of it; raise "
-                          f"--dp-count-noise above {noise / 2:g}, or allow a larger epsilon")
     rest = noise if count_noise is None else (noise ** -2 - (2 * count_noise) ** -2) ** -0.5
     return rest * math.sqrt(releases)
 
@@ -242,6 +273,11 @@ def privatised(sends) -> list[str]:
     return [f"{s.name} ({s.category}, {how[s.dp]})" for s in sends if s.dp in how and s.when == ROUNDS]
 
 
+POOLED = "trains on the clients' data pooled in one place"  # the refusals' reasons (refusal), said once
+UNDECLARED = ("its local training is a loop of its own, or its loss reads statistics of its data other than the "
+              "class counts")  # --dp sample's, where the method gives no reason of its own (dp_sample_why_not)
+
+
 def refusal(cls, level: str) -> tuple[str, list[str]] | None:
     """Why ``--dp level`` (client or sample) does not run method class ``cls``, or None where it does:
     ``("pool", [])`` (it trains on the clients' data pooled in one place), ``("unprotected", items)`` (what its clients
@@ -267,11 +303,10 @@ def verdict(cls, level: str) -> str:
     why (``fedlt list METHOD`` and the method's page), from :func:`refusal`, as the run's validation."""
     why = refusal(cls, level)
     if why is not None:
-        return {"pool": "no, it trains on the clients' data pooled in one place",
+        return {"pool": f"no, it {POOLED}",
                 "unprotected": f"no, its clients also send {', '.join(why[1])}",
                 "server": f"no, {''.join(why[1][:1])}",
-                "undeclared": f"no, {why[1][0]}" if why[1] else "no, its local training is a loop of its own or "
-                              "its loss reads the client's class statistics"}[why[0]]
+                "undeclared": f"no, {(why[1] or [UNDECLARED])[0]}"}[why[0]]
     if level == "client":
         also = privatised(getattr(cls, "sends", ()))
         return f"yes, its clients send the model update (clipped and noised) and {', '.join(also)}" if also else \
@@ -482,18 +517,16 @@ class ClientDP:
         self.rate = per_round / population
         self.delta = float(delta) if delta is not None else default_delta(population)
         self.accountant = accountant
-        self.noise = float(noise) if noise is not None else noise_for(target, self.rate, rounds, self.delta,
-                                                                      accountant)
+        self.noise = solved_noise(noise, target, self.rate, rounds, self.delta, accountant)
         self.target, self.budget = target, budget
         self.denominator = self.rate * population  # McMahan et al.'s fixed denominator qW (uniform weights)
         # adaptive clipping: the target quantile, the clip's learning rate, the count's noise and the update's share
         self.quantile, self.clip_lr = quantile, float(clip_lr)
-        self.count_noise = None if quantile is None else \
-            float(count_noise) if count_noise is not None else per_round / 20
+        self.count_noise = None if quantile is None else count_noise_of(count_noise, per_round)
         # class-mean statistics (core.privacy.CLASS_MEAN): clipped to stats_clip, their sums and counts noised
         self.means, self.num_classes = tuple(means), int(num_classes)
         self.stats_clip = float(stats_clip) if stats_clip is not None else STATS_CLIP
-        self.releases = 1 + 2 * len(self.means)
+        self.releases = release_count(self.means)
         self.update_noise = update_noise(self.noise, self.count_noise, self.releases)
         self.stats_norms: list[float] = []  # the round's class-mean norms before clipping (the simulator)
         self.bases: dict[int, dict] = {}  # the round's replies' references: what each client received

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..data.federated import Clients, Federation, Prep
-from ..decl import TRAIN, setting
+from ..decl import TRAIN, Relation, requires, setting
 from ..errors import ConfigError
 
 FINETUNE = ("full", "head", "lora")
@@ -61,25 +61,28 @@ class Finetune:
                                     "adds train) or lora (peft's LoRA adapters in the frozen backbone, and the head)",
                             choices=FINETUNE, group=TRAIN, reads=("spec",))
     lora_rank: int = setting(8, "--finetune lora: the adapters' rank r", low=1, limit=4096, group=TRAIN,
-                             reads=("spec",))
+                             reads=("spec",), only_with=("finetune", ("lora",)))
     lora_alpha: float = setting(8.0, "--finetune lora: alpha (the update B A is scaled by alpha / r)", low=0,
-                                low_open=True, group=TRAIN, reads=("spec",))
+                                low_open=True, group=TRAIN, reads=("spec",), only_with=("finetune", ("lora",)))
     lora_dropout: float = setting(0.0, "--finetune lora: dropout on the adapters' input", low=0, high=1,
-                                  high_open=True, group=TRAIN, reads=("spec",))
+                                  high_open=True, group=TRAIN, reads=("spec",), only_with=("finetune", ("lora",)))
     lora_targets: str | None = setting(None, "--finetune lora: the modules that get adapters, comma-separated "
                                              "names (peft's target_modules)", metavar="NAMES", group=TRAIN,
-                                       reads=("spec",),
+                                       reads=("spec",), only_with=("finetune", ("lora",)),
                                        none_means="the pre-trained model's (a ViT's attention query and value, a "
                                                   "convolutional net's 1x1 convolutions), else every linear layer "
                                                   "and 1x1 convolution")
     lora_agg: str = setting("fedit", "--finetune lora: how the adapters are aggregated: fedit (A and B averaged "
                                      "separately) or ffa (FFA-LoRA: A fixed at its shared initialisation, only B "
                                      "trains and is averaged, which makes the mean exact)",
-                            choices=LORA_AGG, group=TRAIN, reads=("spec",))
+                            choices=LORA_AGG, group=TRAIN, reads=("spec",), only_with=("finetune", ("lora",)))
     bn_stats: str = setting("frozen", "--finetune lora: BatchNorm's running statistics: frozen (the pre-trained "
                                       "ones, as under head) or local (kept in each model, updated in training; "
                                       "FedBN keeps them per client)",
-                            choices=BN_STATS, group=TRAIN, reads=("spec",))
+                            choices=BN_STATS, group=TRAIN, reads=("spec",),
+                            only_with=("finetune", ("lora",), {"finetune": "head"},
+                                       "under full BatchNorm trains as the model does, under head the features are "
+                                       "computed once, with the pre-trained statistics"))
 
 
 # What a method's algorithm needs that ``head`` or ``lora`` cannot give it, declared by the method
@@ -103,6 +106,19 @@ def finetune_refusal(cls, mode: str) -> str:
         if mode in modes:
             return why.format(what=what)
     return ""
+
+
+def relations(method_of: Callable[[Any], type]) -> list[Relation]:
+    """The relations of the settings declared here that their declarations (``only_with``) do not make: under head
+    or lora, a method refused where it declares a need the mode cannot meet (``method_of(c)``: the configuration's
+    method class)."""
+    return [
+        requires("finetune", lambda c: not finetune_refusal(method_of(c), c.finetune),
+                 lambda c: f"--finetune {c.finetune}: method {c.method} {finetune_refusal(method_of(c), c.finetune)}; "
+                           f"choose --finetune {'lora or full' if c.finetune == 'head' else 'full'} or another method",
+                 when=lambda c: c.finetune != "full", others=("method",),
+                 bad=({"finetune": "head", "method": "fedbabu"}, {"finetune": "lora", "method": "fedgpa"})),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ the backbone

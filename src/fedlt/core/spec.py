@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..decl import DATA, INT32, TRAIN, declared_in, setting, show
+from ..decl import (DATA, FLOAT32_MAX, INT32, TRAIN, Relation, applies_when, declared_in, requires, setting,
+                    show)
 from ..errors import ConfigError
 from ..pretrained import PretrainedSettings
 from .finetune import Finetune
@@ -48,6 +49,17 @@ def milestones_text(value: Any) -> str:
     """The canonical text of lr_milestones ("160,240"), from text or a TOML list."""
     return ",".join(map(str, parse_milestones(value)))
 
+
+def clients_per_round(num_clients: int, participation: float, what: str = "participation") -> int:
+    """participation <= 1 is a fraction of the clients, > 1 a count (the engine's sampling, and the settings'
+    relations)."""
+    if participation <= 0:
+        raise ConfigError(f"{what} must be > 0, got {participation:g}")
+    n = int(round(participation)) if participation > 1 else max(1, int(round(participation * num_clients)))
+    if n > num_clients:
+        raise ConfigError(f"{what} {participation:g} asks for {n} clients but there are "
+                          f"{num_clients}; use at most {num_clients} or a fraction <= 1")
+    return n
 
 
 LR_SCHEDULES = ("constant", "step", "cosine")
@@ -152,3 +164,56 @@ def load_weights(model: nn.Module, arrays: dict[str, torch.Tensor]) -> None:
         for k, v in arrays.items():
             if k in sd:
                 sd[k].copy_(v)
+
+
+# ------------------------------------------------------------------------------------------------ relations
+def check_device(device: str) -> None:
+    """cpu, cuda or cuda:N, and the GPU must be there."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but no CUDA device is available; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device} does not exist: {torch.cuda.device_count()} GPU(s) are visible")
+
+
+def _decays(cfg) -> int:
+    """How many times a step schedule decays the lr within the run (its milestones before the last round)."""
+    return len([m for m in parse_milestones(cfg.lr_milestones) if m < cfg.rounds])
+
+
+def _peak_lr(cfg) -> float:
+    try:
+        return max(cfg.lr * cfg.lr_gamma ** k for k in range(_decays(cfg) + 1))
+    except OverflowError:
+        return math.inf
+
+
+def relations(method_of: Callable[[Any], type]) -> list[Relation]:
+    """The relations of the settings declared here, in the run configuration (``fedlt.config.RELATIONS`` includes
+    them): the precision against the device and the method (``method_of(c)``: the configuration's method class),
+    the step schedule's milestones and decay."""
+    return [
+        requires("precision", lambda c: c.device.startswith("cuda"),
+                 "precision fp16 needs a CUDA device (a CPU has no fast fp16 training); use --precision bf16 or fp32 "
+                 "on a CPU", when=lambda c: c.precision == "fp16", others=("device",), bad=({"precision": "fp16"},)),
+        requires("precision", lambda c: getattr(method_of(c), "fp16", True),
+                 "method {method} trains in a loop of its own, without fp16's gradient scaler; use --precision "
+                 "bf16", when=lambda c: c.precision == "fp16", others=("method",)),
+        applies_when("lr_milestones", lambda c: c.lr_schedule == "step", "lr-milestones apply to --lr-schedule step, "
+                     "not {lr_schedule}; drop them or add --lr-schedule step", others=("lr_schedule",),
+                     bad=({"lr_milestones": "1"},)),
+        requires("lr_schedule", lambda c: bool(c.lr_milestones),
+                 "--lr-schedule step needs --lr-milestones (e.g. 160,240)", when=lambda c: c.lr_schedule == "step",
+                 others=("lr_milestones",), bad=({"lr_schedule": "step"},)),
+        requires("lr_gamma", lambda c: _peak_lr(c) <= FLOAT32_MAX,
+                 lambda c: f"lr-gamma {c.lr_gamma:g} takes the lr past a float32 ({c.lr:g} x {c.lr_gamma:g}^"
+                           f"{_decays(c)}); a decay factor is below 1 (e.g. 0.1)",
+                 when=lambda c: c.lr_schedule == "step", others=("lr", "lr_milestones", "rounds"),
+                 bad=({"lr_schedule": "step", "lr_milestones": "1", "rounds": 2, "lr_gamma": 1e39},)),
+    ]

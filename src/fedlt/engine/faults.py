@@ -30,15 +30,83 @@ sampling stream is untouched, and a resumed run draws what the uninterrupted one
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import RATE, client_speeds
+from ..decl import Relation, check_relations, requires
+from ..errors import ConfigError
+from ..jsonutil import read_json
 from ..seeds import Purpose
 
 PROFILES = ("always", "size", "tail")
+RATE = 1000.0  # samples trained per simulated second by a client of speed 1
+
+
+def client_speeds(speed_sigma: float, speed_file: str | None, num_clients: int, seed: int) -> np.ndarray:
+    """The clients' speeds (the time model above): from ``speed_file``, else log-normal with median 1 and
+    ``speed_sigma``, drawn from the run's seed."""
+    if speed_file is not None:
+        return read_speeds(speed_file, num_clients)
+    return np.exp(speed_sigma * np.random.default_rng([seed, Purpose.SPEED]).standard_normal(num_clients))
+
+
+def fastest_round(cfg) -> float:
+    """Simulated seconds of the fastest client's round at best: one sample (every client holds one) at the
+    highest speed any client has (:meth:`Faults.times`: n x E / (RATE x speed))."""
+    speeds = client_speeds(float(cfg.speed_sigma), cfg.speed_file, cfg.clients, cfg.seed)
+    return max(cfg.local_epochs, 1) / (RATE * float(speeds.max()))
+
+
+SPEED_RANGE = (1e-6, 1e6)  # a speed file's speeds: a client a million times slower or faster than speed 1 at most
+
+
+def read_speeds(path: str, num_clients: int) -> np.ndarray:
+    """A speed file: a JSON list of one positive speed per client, or {client id: speed} for every client."""
+    doc = read_json(path, f"speed file {path}")
+    if isinstance(doc, dict):
+        try:
+            doc = {int(k): v for k, v in doc.items()}
+        except ValueError:
+            raise ConfigError(f"speed file {path}: keys must be client ids 0..{num_clients - 1}") from None
+        if sorted(doc) != list(range(num_clients)):
+            raise ConfigError(f"speed file {path} must give a speed for each of the {num_clients} clients "
+                              f"0..{num_clients - 1}")
+        doc = [doc[k] for k in range(num_clients)]
+    if not isinstance(doc, list) or len(doc) != num_clients:
+        raise ConfigError(f"speed file {path} must hold a list of {num_clients} speeds (one per client) or "
+                          f"{{client id: speed}}")
+    for k, v in enumerate(doc):  # a JSON number: true is no speed of 1, nor "2" a speed of 2
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"speed file {path}: client {k}'s speed is {json.dumps(v)[:40]}; every speed must be a "
+                              f"number (written without quotes)")
+    s = np.asarray([float(v) for v in doc])
+    bad = np.flatnonzero(~(np.isfinite(s) & (s >= SPEED_RANGE[0]) & (s <= SPEED_RANGE[1])))
+    if len(bad):  # a round's time is samples / speed: it must stay a finite number (metrics.jsonl is JSON)
+        raise ConfigError(f"speed file {path}: client {bad[0]}'s speed is {doc[bad[0]]!r}; every speed must be a "
+                          f"positive finite number, in [{SPEED_RANGE[0]:g}, {SPEED_RANGE[1]:g}] (relative to 1)")
+    return s
+
+
+# the settings that need the time model, checked one layer up from the settings' own (fedlt.runner.rundir, before
+# anything is loaded or written): the speed file's content, then the deadline against the speeds
+RELATIONS: list[Relation] = [
+    requires("round_deadline", lambda c: c.round_deadline >= fastest_round(c),
+             lambda c: f"round-deadline {c.round_deadline:g} s is shorter than any client's round (at best "
+                       f"{fastest_round(c):.3g} s: one sample at the fastest client's speed); every reply would be "
+                       f"lost: use at least {fastest_round(c):.3g}", when=lambda c: c.round_deadline is not None,
+             others=("speed_sigma", "speed_file", "local_epochs"), bad=({"round_deadline": 1e-30},)),
+]
+
+
+def check_settings(cfg) -> None:
+    """The run settings ``cfg`` against the time model: the speed file is read (its own one-line errors first), then
+    :data:`RELATIONS`."""
+    if cfg.speed_file is not None:
+        read_speeds(cfg.speed_file, cfg.clients)
+    check_relations(cfg, RELATIONS)
 
 
 @dataclass

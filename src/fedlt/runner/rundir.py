@@ -29,6 +29,7 @@ from ..data import Federation
 from ..data.split import partition_document
 from ..engine import EngineConfig, Simulation
 from ..engine.driver import TRAINING
+from ..engine.faults import check_settings
 from ..engine.federation import federation_for, lt_profile_of, make_spec  # noqa: F401 (their names here too)
 from ..errors import ConfigError, Diverged
 from ..jsonutil import dumps
@@ -67,6 +68,7 @@ def set_determinism(on: bool) -> None:
 
 
 def prepare(cfg: RunConfig, fed: Federation | None = None) -> Prepared:
+    check_settings(cfg)  # the settings that need the engine's time model, before anything is loaded or written
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     set_determinism(cfg.deterministic)
@@ -218,6 +220,7 @@ def run_recorded(driver, cfg: RunConfig, out: Path, config: dict, fed: Federatio
                                        save_checkpoint, save_final_state)
     from .trackers import Trackers, active
 
+    check_settings(cfg)  # as prepare does (a Flower run's first check of them)
     for stale in out.glob("*.tmp"):  # left by a process killed mid-write (we hold the run's lock: none is ours)
         stale.unlink(missing_ok=True)
     if labels:
