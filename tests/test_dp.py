@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("dp_accounting")
 
-from fedlt.core.dp import ClientDP, clip_reply, noise_for, noised_replies  # noqa: E402
+from fedlt.core.dp import ClientDP, client_noise_multiplier, clip_reply, noised_replies  # noqa: E402
 from fedlt.runner import rundir  # noqa: E402
 
 from conftest import small_config  # noqa: E402
@@ -118,7 +118,7 @@ def test_a_run_records_each_rounds_epsilon_and_a_table_that_recomputes_it(tmp_pa
 
 
 def test_the_noise_is_solved_for_a_target_epsilon():
-    z = noise_for(4.0, 0.1, 50, 1e-5)
+    z = client_noise_multiplier(4.0, 0.1, 50, 1e-5)
     assert _eps_by_hand(z, 0.1, 50, 1e-5) <= 4.0 < _eps_by_hand(z * 0.99, 0.1, 50, 1e-5)
     dp = ClientDP(1.0, None, 4.0, 1e-5, None, 100, 10, 50)
     assert dp.noise == pytest.approx(z) and dp.epsilon(50) <= 4.0
@@ -141,7 +141,7 @@ def test_the_pld_accountant_is_dp_accountings_own_and_solves_less_noise_for_the_
     cfg = small_config(**{**DP, "dp_noise": None, "dp_epsilon": 4.0, "dp_delta": 1e-5, "rounds": 3, "eval_every": 3},
                        dp_accountant="pld", out=str(tmp_path), name="pld")
     d = rundir.run(cfg, progress=False, echo=lambda *a: None)["dp"]
-    rdp_noise = noise_for(4.0, 0.5, 3, 1e-5)
+    rdp_noise = client_noise_multiplier(4.0, 0.5, 3, 1e-5)
     assert d["noise_multiplier"] < 0.95 * rdp_noise and "PLDAccountant" in d["accountant"]
     rows = [json.loads(x) for x in (tmp_path / "pld" / "metrics.jsonl").read_text().splitlines()]
     eps = [r["dp_epsilon"] for r in rows if "round" in r]

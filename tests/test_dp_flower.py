@@ -215,7 +215,8 @@ def test_the_server_keeps_the_accountants_from_what_arrives_and_refuses_a_reply_
         assert [c for c, _ in out] == [0] and out[0][1].meta == {"num_examples": 100}
         assert set(why) == {1, 2, 3, 4} and HISTORY in why[1] and "loss" in why[2] and "1/4" in why[3]
         assert "noise multiplier 1" in why[4] and all("\n" not in x for x in why.values())
-    assert dp.histories[0] == [(1.0, 0.25, 8)] and dp.steps_of[0] == 4 and set(dp.histories) == {0}
+    a = dp.accounts
+    assert a.histories[0] == [(1.0, 0.25, 8)] and a.steps_of[0] == 4 and set(a.histories) == {0}
     assert dp.epsilon(2) == epsilon_of(((1.0, 0.25, 8),), 1e-5)
     assert dp.record()["dp_grad_norm"] is None
 

@@ -24,7 +24,8 @@ from dp_accounting import rdp  # noqa: E402
 from opacus.accountants import RDPAccountant  # noqa: E402
 
 from conftest import final_gm, run_small, small_config  # noqa: E402
-from fedlt.core.dpsgd import SampleDP, batches_per_epoch, epsilon_of, noise_for, per_sample_grads  # noqa: E402
+from fedlt.core.dpsgd import (SampleDP, batches_per_epoch, epsilon_of, per_sample_grads,  # noqa: E402
+                              sample_noise_multiplier)
 from fedlt.core.steps import LocalSteps, StepRun, Train, ce, split_loss  # noqa: E402
 from fedlt.runner import rundir  # noqa: E402
 
@@ -52,7 +53,7 @@ def test_the_accountant_is_dp_accountings_and_near_opacus_and_the_noise_is_calib
     ref = RDPAccountant()
     ref.history = [(1.5, 0.04, 2250)]
     assert e >= ref.get_epsilon(1e-5)  # integer orders: here a little looser than opacus's
-    z = noise_for(8.0, 1e-5, 0.04, 2000)  # calibrate_dp_mechanism: the smallest noise that meets the target
+    z = sample_noise_multiplier(8.0, 0.04, 2000, 1e-5)  # calibrate_dp_mechanism: the smallest noise meeting the target
     assert epsilon_of(((z, 0.04, 2000),), 1e-5) <= 8.0 < epsilon_of(((z - 1e-5, 0.04, 2000),), 1e-5)
     assert z == pytest.approx(1.3562, rel=1e-2)
 
@@ -132,8 +133,8 @@ def test_per_sample_gradients_are_each_samples_own_for_every_method_dp_sgd_runs(
     personal head), its weights moved off what it received so that terms against it count."""
     params = {**_needs(name), **({"mu": 0.5} if name == "fedprox" else {})}
     m, data = _client(name, params)
-    m.dpsgd = SampleDP(1.0, 1.0, None, 1e-5, [[1]], lambda: [len(data)], counts_noise=5.0)
-    steps = m.local_steps(m.configure(m.init_server(), 1, 1), m.init_client(1, data), m.dpsgd.client_data(data))
+    m.step_runner = SampleDP(1.0, 1.0, None, 1e-5, [[1]], lambda: [len(data)], counts_noise=5.0).trainer
+    steps = m.local_steps(m.configure(m.init_server(), 1, 1), m.init_client(1, data), m.step_runner.client_data(data))
     steps.weights = {k: v + 0.05 if v.is_floating_point() else v for k, v in steps.weights.items()}
     run = StepRun(m, steps)
     x, y = data.sample_batch(torch.arange(6), None, train=False)
@@ -168,8 +169,8 @@ def test_the_clip_bounds_a_clients_update_and_leaves_a_small_one_alone():
     g = torch.autograd.grad(ce(run.view, x, y, {}), list(run.params.values()))
     norm = float(torch.cat([t.flatten() for t in g]).norm())
     for clip in (norm / 10, norm * 10):
-        out = SampleDP(clip, 0.0, None, 1e-5, [[1]], lambda: [len(data)]).run_steps(m, steps, one,
-                                                                                    torch.Generator().manual_seed(0))
+        dpsgd = SampleDP(clip, 0.0, None, 1e-5, [[1]], lambda: [len(data)]).trainer
+        out = dpsgd.run_steps(m, steps, one, torch.Generator().manual_seed(0))
         step = float(torch.cat([(out.weights[k] - w[k]).flatten() for k in run.params]).norm())
         assert step == pytest.approx(0.1 * min(clip, norm), rel=1e-4)
 
@@ -183,14 +184,45 @@ def test_the_noise_has_the_mechanisms_standard_deviation():
     zero = lambda model, x, y, extra: 0.0 * ce(model, x, y, extra)  # noqa: E731
     steps = LocalSteps(w, zero, (Train("", lr=1.0, momentum=0.0, weight_decay=0.0),), epochs=1)
     dp = SampleDP(2.0, 0.7, None, 1e-5, [[1]], lambda: [len(data)])
-    out = dp.run_steps(m, steps, data, torch.Generator().manual_seed(0))
-    (z, q, T), = dp.histories[1]
+    out = dp.trainer.run_steps(m, steps, data, torch.Generator().manual_seed(0))
+    (z, q, T), = dp.accounts.histories[1]
     delta = torch.cat([(out.weights[k] - w[k]).flatten() for k in w if w[k].is_floating_point()]).double()
     expected = 0.7 * 2.0 * math.sqrt(T) / (len(data) * q)
     assert (z, q, T) == (0.7, 1 / batches_per_epoch(len(data), 16), batches_per_epoch(len(data), 16))
     N = len(delta)  # 5 standard errors of the sample std and mean of N normal draws
     assert float(delta.std()) == pytest.approx(expected, rel=5 / math.sqrt(2 * N))
     assert abs(float(delta.mean())) < 5 * expected / math.sqrt(N)
+
+
+def test_dp_sgd_reaches_the_local_steps_as_the_methods_step_runner():
+    """The run's privacy mechanism hands its DP-SGD to the method as its step runner (core.steps.StepRunner), which
+    Method.local_train and run_steps call without asking what it is: the run's method trains by the mechanism's
+    trainer, whose accountants count every client it sampled, while the class keeps plain SGD; a runner handed to a
+    method is what trains its described steps, with the data its client_data gives."""
+    from fedlt.core.steps import PLAIN_STEPS, PlainSteps
+
+    sim, _ = run_small("fedavg", **{**DP, "rounds": 1, "eval_every": 1})
+    assert sim.method.step_runner is sim.dp.trainer and type(sim.method).step_runner is PLAIN_STEPS
+    assert set(sim.dp.accounts.histories) == set(sim.schedule[0]) and not PLAIN_STEPS.per_sample
+
+    m, data = _client()
+    seen = []
+
+    class Recording(PlainSteps):
+        def client_data(self, d):
+            seen.append(("data", d.client_id))
+            return d
+
+        def run_steps(self, method, steps, d, gen, lr=None):
+            seen.append(("steps", d.client_id))
+            return super().run_steps(method, steps, d, gen, lr)
+
+    payload = m.configure(m.init_server(), 1, 1)
+    plain, _ = m.local_train(payload, {}, data, torch.Generator().manual_seed(0))
+    m.step_runner = Recording()
+    again, _ = m.local_train(payload, {}, data, torch.Generator().manual_seed(0))
+    assert seen == [("data", data.client_id), ("steps", data.client_id)]
+    assert all(torch.equal(plain.arrays[k], again.arrays[k]) for k in plain.arrays)
 
 
 def test_zero_noise_and_an_unreachable_clip_train_as_plain_sgd_on_the_same_poisson_batches():
@@ -200,8 +232,8 @@ def test_zero_noise_and_an_unreachable_clip_train_as_plain_sgd_on_the_same_poiss
     m, data = _client()
     w = m.init_server().weights
     steps = m.local_steps(m.configure(m.init_server(), 1, 1), {}, data)
-    out = SampleDP(1e9, 0.0, None, 1e-5, [[1]], lambda: [len(data)]).run_steps(m, steps, data,
-                                                                               torch.Generator().manual_seed(3))
+    dpsgd = SampleDP(1e9, 0.0, None, 1e-5, [[1]], lambda: [len(data)]).trainer
+    out = dpsgd.run_steps(m, steps, data, torch.Generator().manual_seed(3))
     gen, n = torch.Generator().manual_seed(3), len(data)
     L = batches_per_epoch(n, m.spec.batch_size)
     run = StepRun(m, steps)
@@ -302,7 +334,7 @@ def test_dp_sgd_with_moderate_noise_still_learns(method, params):
     sim, final = run_small(method, params, **{**DP, "rounds": 8, "eval_every": 8})
     # at the default delta, 1e-5 here (13.2 for these settings by dp-accounting's RDP, 12.7 by opacus's before it;
     # 9.8 at the 1 / n_max^1.1 of before that)
-    assert sim.dp.delta == 1e-5 and sim.dp.epsilon(8) < 13.5 + 2 * (method == "balancefl")  # BalanceFL: its counts'
+    assert sim.dp.accounts.delta == 1e-5 and sim.dp.epsilon(8) < 13.5 + 2 * (method == "balancefl")  # BalanceFL: its counts'
     assert final_gm(final)["acc"] > 0.3  # chance: 0.1
 
 
@@ -326,7 +358,7 @@ def test_balancefl_under_dp_sgd_balances_by_loss_weights_from_noised_counts(tmp_
     assert not any(tmp_path.iterdir())
 
     m, data = _client("balancefl", {**BALANCEFL_DP, "restrict_softmax": True})
-    m.dpsgd = SampleDP(1.0, 1.0, None, 1e-5, [[1]], lambda: [len(data)], counts_noise=5.0)
+    m.step_runner = SampleDP(1.0, 1.0, None, 1e-5, [[1]], lambda: [len(data)], counts_noise=5.0).trainer
     noised = copy.copy(data)  # counts as the noise may leave them: three classes under 2 S = 10, one at 0
     noised.counts = np.array([60, 31, 17, 10, 9, 4, 0, 12, 25, 40], dtype=np.float64)
     steps = m.local_steps(m.configure(m.init_server(), 1, 1), {}, noised)
@@ -392,7 +424,7 @@ def test_a_loss_that_reads_class_counts_reads_them_noised_once_and_each_accounta
         assert row["epsilon"] == pytest.approx(_reference_epsilon(row["history"], d["delta"]), rel=1e-12)
         assert 6.0 - 0.01 <= row["epsilon"] <= 6.0
         L, z = 1 / row["sample_rate"], row["noise_multiplier"]
-        alone = noise_for(6.0, d["delta"], row["sample_rate"], row["steps"])
+        alone = sample_noise_multiplier(6.0, row["sample_rate"], row["steps"], d["delta"])
         assert z > alone and epsilon_of(((z, row["sample_rate"], row["steps"]),), d["delta"]) < 6.0 - 0.01
         assert L == batches_per_epoch(row["samples"], cfg.batch_size)
     assert moved > 0
@@ -405,14 +437,14 @@ def test_the_counts_noise_has_its_standard_deviation_and_a_release_past_the_budg
 
     dp = SampleDP(1.0, 1.0, None, 1e-5, [], lambda: [], counts_noise=3.0, seed=7)
     counts = [1000] * 10  # far from 0: no clamping
-    diffs = torch.from_numpy(np.array([dp.client_data(SimpleNamespace(client_id=c, counts=counts)).counts - 1000
+    diffs = torch.from_numpy(np.array([dp.trainer.client_data(SimpleNamespace(client_id=c, counts=counts)).counts - 1000
                                        for c in range(400)], dtype=np.float64))
     # rounding adds variance 1/12; the sample std of 4000 draws is within 5 % of the truth
     assert diffs.std().item() == pytest.approx(math.sqrt(9 + 1 / 12), rel=0.05) and abs(diffs.mean()) < 0.2
-    again = dp.client_data(SimpleNamespace(client_id=3, counts=counts)).counts
+    again = dp.trainer.client_data(SimpleNamespace(client_id=3, counts=counts)).counts
     assert (again - 1000 == diffs[3].numpy()).all()  # the same release every time
     with pytest.raises(ConfigError, match="counts' release alone") as e:
-        noise_for(0.5, 1e-5, 0.1, 100, ((3.0, 1.0, 1),))
+        sample_noise_multiplier(0.5, 0.1, 100, 1e-5, ((3.0, 1.0, 1),))
     assert "\n" not in str(e.value) and "--dp-counts-noise" in str(e.value)
 
 

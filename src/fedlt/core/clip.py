@@ -121,7 +121,7 @@ def load_image_tower(path: str, device="cpu") -> ImageTower:
         sd = read_safetensors(path, "CLIP image tower")
     if any(k.startswith("visual.") for k in sd):
         sd = {k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")}
-    require(sd, ("conv1.weight", "class_embedding", "positional_embedding", "proj"),
+    check_keys(sd, ("conv1.weight", "class_embedding", "positional_embedding", "proj"),
             f"CLIP image tower: {path}", "OpenAI's ViT layout")
     width, _, patch, _ = sd["conv1.weight"].shape
     grid = round((sd["positional_embedding"].shape[0] - 1) ** 0.5)
@@ -130,7 +130,7 @@ def load_image_tower(path: str, device="cpu") -> ImageTower:
     return frozen_tower(tower, sd, f"CLIP image tower: {path} does not fit a ViT of width {width}, {layers} layers")
 
 
-def require(sd: dict[str, torch.Tensor], keys, what: str, layout: str) -> None:
+def check_keys(sd: dict[str, torch.Tensor], keys, what: str, layout: str) -> None:
     """A one-line error naming the ``keys`` a weights file lacks."""
     missing = [k for k in keys if k not in sd]
     if missing:

@@ -80,20 +80,21 @@ HOOKS = ("init_client", "local_steps", "local_train", "local_reply")  # a class 
 COUNTS = "counts"  # dp_sample's value for a loss that also reads the client's class counts
 
 
-def declared(cls) -> bool:
+def runs_dp_sgd(cls) -> bool:
     """Whether method class ``cls`` runs under ``--dp sample``: the nearest class of its MRO that sets
     ``dp_sample`` says so, unless a class below it changes a client hook (:data:`HOOKS`) without setting it again."""
-    from .method import declared as flag
+    from .method import declares
 
-    return flag(cls, "dp_sample", HOOKS)
+    return declares(cls, "dp_sample", HOOKS)
 
 
 def reads_counts(cls) -> bool:
     """Whether method class ``cls`` runs under ``--dp sample`` with a loss that reads the client's class counts
-    (``dp_sample = "counts"``): its clients' counts are then noised once (:meth:`SampleDP.client_data`)."""
-    from .method import declaration
+    (``dp_sample = "counts"``): its clients' counts are then noised once
+    (:meth:`fedlt.core.dpsgd.DPSGD.client_data`)."""
+    from .method import declared_value
 
-    return declaration(cls, "dp_sample", HOOKS) == COUNTS
+    return declared_value(cls, "dp_sample", HOOKS) == COUNTS
 
 
 # integer RDP orders (fractional ones make dp-accounting's series fail to converge at large sampling rates)
@@ -101,7 +102,7 @@ ORDERS = tuple(range(2, 256)) + (256, 512, 1024)
 STATS_CLIP = 1.0  # --dp-stats-clip's default: the norm a client's class-mean arrays are clipped to
 
 
-def require() -> Any:
+def import_dp_accounting() -> Any:
     """The dp-accounting package, or a one-line error that says how to install it."""
     try:
         import dp_accounting
@@ -120,7 +121,7 @@ ACCOUNTANTS = {"rdp": "rdp.RdpAccountant (orders 2-255, 256, 512, 1024)",
 def fresh_accountant(accountant: str = "rdp"):
     """A new dp-accounting accountant: its RdpAccountant over :data:`ORDERS` (``rdp``), or its privacy-loss-distribution
     accountant (``pld``). The one accountant library of both levels (``--dp client`` and ``--dp sample``)."""
-    require()
+    import_dp_accounting()
     if accountant == "pld":
         from dp_accounting import pld
 
@@ -133,7 +134,7 @@ def fresh_accountant(accountant: str = "rdp"):
 def gaussian_steps(history) -> Any:
     """The dp-accounting event of a history of Poisson-sampled Gaussian mechanisms ``[(noise multiplier, sampling
     rate, times)]`` (a round of ``--dp client``, a DP-SGD step of ``--dp sample``), composed in order."""
-    dpa = require()
+    dpa = import_dp_accounting()
     return dpa.ComposedDpEvent([dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(float(q), dpa.GaussianDpEvent(
         float(z))), int(n)) for z, q, n in history if n > 0])
 
@@ -142,7 +143,7 @@ def calibrated(target: float, delta: float, history_of, accountant: str = "rdp",
     """The smallest noise multiplier ``z`` (within ``tol``) whose history ``history_of(z)`` is (``target``,
     ``delta``)-DP by ``accountant``: dp-accounting's ``calibrate_dp_mechanism``; None where no noise below
     2^30 meets it."""
-    require()
+    import_dp_accounting()
     from dp_accounting import mechanism_calibration as mc
 
     try:
@@ -168,7 +169,7 @@ DELTA_SHARE = 10  # and at most 1 / (DELTA_SHARE x the units it protects)
 
 def default_delta(units: int) -> float:
     """delta when --dp-delta is not given, for ``units`` protected units (the clients under --dp client; a client's
-    samples under --dp sample, :func:`fedlt.core.dpsgd.default_delta`): ``min(1e-5, 1 / (10 units))``.
+    samples under --dp sample, :func:`fedlt.core.dpsgd.sample_delta`): ``min(1e-5, 1 / (10 units))``.
 
     Why: a mechanism that publishes each unit's data outright with probability delta is (0, delta)-DP, so delta
     must be far below ``1 / units`` to mean anything -- ``units x delta`` is the expected number of units such a
@@ -190,7 +191,7 @@ def delta_problem(delta: float, units: int, unit: str, what: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def noise_for(target: float, rate: float, rounds: int, delta: float, accountant: str = "rdp") -> float:
+def client_noise_multiplier(target: float, rate: float, rounds: int, delta: float, accountant: str = "rdp") -> float:
     """The smallest noise multiplier whose epsilon after ``rounds`` rounds is at most ``target``, by ``accountant``
     (:func:`calibrated`: dp-accounting's ``calibrate_dp_mechanism``)."""
     z = calibrated(target, delta, lambda z: [(z, rate, rounds)], accountant)
@@ -203,9 +204,9 @@ def noise_for(target: float, rate: float, rounds: int, delta: float, accountant:
 def solved_noise(given: float | None, target: float | None, rate: float, rounds: int, delta: float,
                  accountant: str = "rdp") -> float:
     """--dp client's noise multiplier: ``given`` (--dp-noise), else the one solved for ``target`` (--dp-epsilon) over
-    ``rounds`` rounds at sampling rate ``rate`` (:func:`noise_for`). The run's (:class:`ClientDP`) and its
+    ``rounds`` rounds at sampling rate ``rate`` (:func:`client_noise_multiplier`). The run's (:class:`ClientDP`) and its
     validation's (``fedlt.core.privacy_settings``)."""
-    return float(given) if given is not None else noise_for(target, rate, rounds, delta, accountant)
+    return float(given) if given is not None else client_noise_multiplier(target, rate, rounds, delta, accountant)
 
 
 COUNT_SHARE = 20  # adaptive clipping's count noise by default: the expected clients a round / 20 (Andrew et al.)
@@ -284,7 +285,7 @@ def refusal(cls, level: str) -> tuple[str, list[str]] | None:
     send that the guarantee would not cover, :func:`unprotected`), ``("server", [why])`` (``--dp client``: what the
     method's server does with each reply that the noised mean does not cover, ``Method.dp_client_refusal``) or
     ``("undeclared", [why])`` (``--dp sample``: its
-    local training is not declared DP-SGD-able, :func:`declared`; ``why``: the method's own reason,
+    local training is not declared DP-SGD-able, :func:`runs_dp_sgd`; ``why``: the method's own reason,
     ``Method.dp_sample_why_not``, where it gives one). The one source of the run's refusals (``fedlt.config``) and of
     :func:`verdict`."""
     if getattr(cls, "needs_pool", False):
@@ -293,7 +294,7 @@ def refusal(cls, level: str) -> tuple[str, list[str]] | None:
         return "server", [why]
     if left := unprotected(getattr(cls, "sends", ()), level):
         return "unprotected", left
-    if level == "sample" and not declared(cls):
+    if level == "sample" and not runs_dp_sgd(cls):
         return "undeclared", [why] if (why := getattr(cls, "dp_sample_why_not", "")) else []
     return None
 
@@ -509,7 +510,7 @@ class ClientDP:
                  clip_lr: float = 0.2, count_noise: float | None = None, means: tuple[str, ...] = (),
                  num_classes: int = 0, stats_clip: float | None = None, accountant: str = "rdp",
                  key: str | None = None, source: str = ""):
-        require()
+        import_dp_accounting()
         self.clip, self.population, self.rounds = float(clip), int(population), int(rounds)
         self.key = key  # --dp-noise-seed secret: the server's noise key (None: the noise follows from the run's seed)
         self.source = source  # where the noise comes from, in words (core.noise.noise_source)

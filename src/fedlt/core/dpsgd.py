@@ -6,7 +6,7 @@ from its own accountant, and the run reports the largest (the worst client's). I
 participation as a whole (that is ``--dp client``, :mod:`fedlt.core.dp`).
 
 A client's local training -- the method's described steps (:class:`fedlt.core.steps.LocalSteps`), which
-:func:`fedlt.core.steps.run_steps` hands to :meth:`SampleDP.run_steps` -- runs as DP-SGD:
+:func:`fedlt.core.steps.run_steps` hands to the method's step runner, here :meth:`DPSGD.run_steps` -- runs as DP-SGD:
 
 - **batches**: Poisson sampling, as the accountant assumes: each of the client's ``n`` samples is in a step's batch
   with probability ``q = 1 / L`` independently (``L``: the number of batches of one of its epochs at
@@ -35,17 +35,17 @@ rate is set from it; the summary lists every ``q_i``); nothing else -- the loss 
 post-training phase sends its count only. A part of the model that never leaves the client (a personal head) is
 trained by the same DP-SGD where the described steps train it.
 
-Which methods: those whose class declares ``dp_sample = True`` (:func:`declared`): their local training that shapes
-what the clients send runs only through described steps, and their loss of one sample reads nothing of the
-client's other samples (class counts or priors of its data in the loss would let one sample move every other
-sample's gradient). A subclass that changes a client hook without declaring it again is not covered. BatchNorm
-models are refused (:func:`check_model`): a sample's output there depends on its batch.
+Which methods: those whose class declares ``dp_sample = True`` (:func:`fedlt.core.dp.runs_dp_sgd`): their local
+training that shapes what the clients send runs only through described steps, and their loss of one sample reads
+nothing of the client's other samples (class counts or priors of its data in the loss would let one sample move
+every other sample's gradient). A subclass that changes a client hook without declaring it again is not covered.
+BatchNorm models are refused (:func:`check_model`): a sample's output there depends on its batch.
 
 On Flower (``fedlt flower``) each SuperNode runs its own client's DP-SGD (:meth:`SampleDP.on_client`, from the
 run's settings and what the train message says: ``delta``, the client's rounds in the schedule, its noise multiplier
 once the server knows it) and sends, beside its model and ``num_examples``, its accountant's new entries
 (:data:`HISTORY`: ``(z_i, q_i, steps)``, which follow from ``n_i`` and the run's settings); the server keeps every
-client's accountant from them (:meth:`SampleDP.arrived`, which checks the rate and noise against the client's size
+client's accountant from them (:meth:`SampleWire.arrived`, which checks the rate and noise against the client's size
 and the run's settings), so that the run's epsilons, ``--dp-budget`` and the
 summary's table are the simulator's. The per-sample gradient norms stay on the clients (the record's
 ``dp_clipped`` and ``dp_grad_norm`` are None there), and a SuperNode's describe sends its number of samples, no label
@@ -67,7 +67,7 @@ from torch.func import grad_and_value, vmap
 from ..errors import ConfigError
 from ..seeds import Purpose
 from .dp import ACCOUNTANTS, calibrated, default_delta, delta_problem, fresh_accountant, gaussian_steps
-from .dp import COUNTS, HOOKS, declared, reads_counts  # noqa: F401  (which methods run as DP-SGD: core.dp)
+from .dp import reads_counts
 from .noise import NOISE_SEEDS, keyed_seed
 from .privacy import ROUNDS
 from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_loss, stats_of
@@ -78,7 +78,7 @@ HISTORY = "dp_history"  # a client's accountant entries [(z, q, steps)] of one m
 WORKING_MODELS = "smallcnn, cnn-mcmahan, vgg11 or mlp"
 
 
-def require() -> Any:
+def import_opacus() -> Any:
     """The opacus package, or a one-line error that says how to install it."""
     try:
         import opacus
@@ -139,7 +139,7 @@ def check_before_run(cfg, cls, sizes, schedule=None, epochs: int = 1) -> None:
     noise, batch = {}, {}  # each client's noise multiplier z and expected batch n q = n / L
     for c in sorted({c for cids in schedule for c in cids}):
         L = batches_per_epoch(int(sizes[c]), cfg.batch_size)
-        noise[c], batch[c] = dp.noise_of(c, 1.0 / L, epochs * L, keep=False), int(sizes[c]) / L
+        noise[c], batch[c] = dp.accounts.noise_of(c, 1.0 / L, epochs * L, keep=False), int(sizes[c]) / L
     best = min(noise, key=lambda c: (noise[c] / batch[c], c), default=None)
     if best is not None and noise[best] > batch[best]:
         given = "--dp-noise" if cfg.dp_noise is not None else f"solved for --dp-epsilon {cfg.dp_epsilon:g}"
@@ -149,17 +149,18 @@ def check_before_run(cfg, cls, sizes, schedule=None, epochs: int = 1) -> None:
                           f"gradient moves it, so nothing can train; "
                           + ("use a smaller --dp-noise" if cfg.dp_noise is not None else
                              "train fewer --rounds or --local-epochs, or allow a larger --dp-epsilon"))
-    worst, eps = dp.round_epsilon(1)
+    worst, eps = dp.accounts.round_epsilon(1)
     if cfg.dp_budget is not None and eps > cfg.dp_budget:
         raise ConfigError(f"--dp-budget {cfg.dp_budget:g} is below the first round's epsilon {eps:.3g} (client "
-                          f"{worst}'s, delta {dp.delta:.3g}), so no round could run; raise --dp-budget, or spend less a "
-                          f"round: more noise (--dp-noise, or a smaller --dp-epsilon) or fewer --local-epochs")
+                          f"{worst}'s, delta {dp.accounts.delta:.3g}), so no round could run; raise --dp-budget, or "
+                          f"spend less a round: more noise (--dp-noise, or a smaller --dp-epsilon) or fewer "
+                          f"--local-epochs")
 
 
 def check_model(model: torch.nn.Module, name: str) -> None:
     """A model DP-SGD cannot train (BatchNorm: each sample's output depends on its batch; opacus's
     ``ModuleValidator`` finds them): one line naming models that work."""
-    require()
+    import_opacus()
     from opacus.validators import ModuleValidator
 
     was = model.training
@@ -213,7 +214,7 @@ def composed(history: list, entries) -> list:
     """A client's ledger ``history`` (``[(noise multiplier, sample rate, steps)]``, what its accountant composes:
     :func:`fedlt.core.dp.gaussian_steps`) with ``entries`` composed after it, an entry with the last one's noise
     multiplier and sample rate adding its steps to it (the ledger stays a few entries long: the optimiser's step
-    hook composes every step, :meth:`SampleDP.run_steps`)."""
+    hook composes every step, :meth:`DPSGD.run_steps`)."""
     out = [tuple(h) for h in history]
     for z, q, n in entries:
         if out and out[-1][:2] == (z, q):
@@ -243,11 +244,11 @@ def epsilon_of(history: tuple, delta: float) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def noise_for(target: float, delta: float, rate: float, steps: int, prefix: tuple = ()) -> float:
+def sample_noise_multiplier(target: float, rate: float, steps: int, delta: float, prefix: tuple = ()) -> float:
     """The smallest noise multiplier whose epsilon after ``steps`` steps at ``rate`` is at most ``target``
     (dp-accounting's ``calibrate_dp_mechanism``, :func:`fedlt.core.dp.calibrated`), after ``prefix``: accountant
-    entries before the steps (the class counts' release, :meth:`SampleDP.prefix`); a budget it cannot meet is one
-    line."""
+    entries before the steps (the class counts' release, :meth:`SampleAccounts.prefix`); a budget it cannot meet
+    is one line."""
     prefix = tuple(map(tuple, prefix))
     if prefix and (alone := epsilon_of(prefix, delta)) >= target:
         raise ConfigError(f"--dp-epsilon {target:g}: the class counts' release alone spends {alone:.3g} "
@@ -280,25 +281,33 @@ def per_sample_grads(method, steps: LocalSteps, run: StepRun, part_names: list[s
     return vmap(grad_and_value(one, has_aux=True), in_dims=(None, 0, 0), randomness="different")
 
 
-class SampleDP:
-    """The run's sample-level DP (``--dp sample``): the clip, each client's noise multiplier and accountant, and
-    DP-SGD for a client's described steps (:meth:`run_steps`); the driver's DP interface besides (the replies as
-    they leave, the round's record, the checkpoint, the summary's table)."""
+def phase_replies(phase: str, replies: list) -> list:
+    """A post-training phase's replies as their clients send them under DP-SGD: ``num_examples`` only (what such a
+    phase may send is its size and statistics, :func:`fedlt.core.dp.unprotected`)."""
+    from .method import Message
 
-    def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
-                 schedule: list[list[int]], sizes: Callable[[], Any], budget: float | None = None,
-                 batch_size: int = 32, local_epochs: int = 1, key: str | None = None,
-                 counts_noise: float | None = None, seed: int = 0, riders: tuple[str, ...] = (), source: str = ""):
-        require()
-        self.keep = ("num_examples", *riders)  # the meta a round's reply keeps: its size and what rides with it
-        # --dp-noise-seed secret: the clients' noise key (a SuperNode's own: on_client); None: from the run's seed
-        self.key, self.seed = key, int(seed)
-        self.source = source  # where the noise comes from, in words (core.noise.noise_source)
+    for cid, reply in replies:
+        if reply.arrays:
+            raise ConfigError(f"--dp sample: client {cid} sends {', '.join(sorted(reply.arrays)[:3])} in phase "
+                              f"{phase}, which DP-SGD did not train; this method cannot run under --dp sample")
+    return [(cid, Message({}, {k: r.meta[k] for k in ("num_examples",) if k in r.meta})) for cid, r in replies]
+
+
+class SampleAccounts:
+    """Every client's sample-level accountant (``--dp sample``'s registry of them): its history of Poisson-sampled
+    Gaussian steps ``[(z, q, steps)]`` (:func:`epsilon_of`), its noise multiplier (``--dp-noise``, or solved for
+    ``--dp-epsilon`` over its steps in the run), its sampling rate and steps a round; the run's delta, and
+    ``--dp-budget``'s foresight. The trainer (:class:`DPSGD`) composes into it, and so does the server from a
+    SuperNode's entries (:class:`SampleWire`)."""
+
+    def __init__(self, noise: float | None, target: float | None, delta: float | None, schedule: list[list[int]],
+                 sizes: Callable[[], Any], budget: float | None = None, batch_size: int = 32, local_epochs: int = 1,
+                 counts_noise: float | None = None):
+        self.noise, self.target, self._delta = noise, target, delta
+        self._delta_checked = False  # a given delta against the clients' sizes (:attr:`delta`)
         # a method whose loss reads the client's class counts (reads_counts): their noise's std (--dp-counts-noise)
         self.counts_noise = None if counts_noise is None else float(counts_noise)
         self.counted: set[int] = set()  # a SuperNode's client whose counts' release the server has counted
-        self.clip, self.noise, self.target, self._delta = float(clip), noise, target, delta
-        self._delta_checked = False  # a given delta against the clients' sizes (:attr:`delta`)
         # --dp-budget: the round whose clients' epsilons it would pass is not run (:meth:`over_budget`)
         self.budget, self.schedule, self.batch_size, self.local_epochs = budget, schedule, batch_size, local_epochs
         self.steps_of: dict[int, int] = {}  # each client's steps in a round it trains (known once it has)
@@ -310,63 +319,6 @@ class SampleDP:
         self.histories: dict[int, list] = {}  # each client's accountant history [(z, q, steps)]
         self.noises: dict[int, float] = {}
         self.rates: dict[int, float] = {}
-        self.norms: list[torch.Tensor] = []  # this round's per-sample gradient norms (before clipping)
-        self.remote = False  # the clients train by DP-SGD themselves (Flower's): their gradient norms stay there
-
-    @classmethod
-    def of(cls, cfg, method, schedule: list[list[int]], sizes: Callable[[], Any]) -> "SampleDP":
-        """The run's sample-level DP from its settings (``cfg``: the engine's, ``fedlt.engine.driver.EngineConfig``,
-        every ``dp_*`` setting by its declared name), the method (its batch size and epochs a round, whether its
-        loss reads the class counts, what rides with its replies), the sampling ``schedule`` and the clients'
-        sizes (read when first needed)."""
-        from .noise import noise_key, noise_source
-
-        kind = type(method)
-        return cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, schedule, sizes, budget=cfg.dp_budget,
-                   batch_size=method.spec.batch_size, local_epochs=method.dp_round_epochs(),
-                   key=noise_key(cfg, cfg.deployed), counts_noise=counts_of(cfg) if reads_counts(kind) else None,
-                   seed=cfg.seed, riders=riders(kind), source=noise_source(cfg, "sample", cfg.deployed))
-
-    @classmethod
-    def on_client(cls, cfg, cid: int, ctl, key: str | None = None, counts: bool = False,
-                  riders: tuple[str, ...] = ()) -> "SampleDP":
-        """A SuperNode's DP-SGD for its client ``cid`` (Flower): the run's clip and noise or target epsilon, and what
-        the server's message says (``dp-delta``; ``dp-rounds``: the client's rounds in the schedule, for
-        --dp-epsilon; ``dp-noise``: its noise multiplier, once the server knows it from an earlier reply);
-        ``key``: the SuperNode's own noise key (``--dp-noise-seed secret``); ``counts``: the method's loss reads the
-        client's class counts (:func:`reads_counts`; ``dp-counted``: the server has counted their release)."""
-        if "dp-delta" not in ctl:
-            raise ConfigError("--dp sample: the message carries no delta (dp-delta), so this client cannot solve its "
-                              "noise: the server runs another fedlt")
-        dp = cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, float(ctl["dp-delta"]), [], lambda: [],
-                 batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, key=key,
-                 counts_noise=counts_of(cfg) if counts else None, seed=cfg.seed, riders=riders)
-        dp.rounds_of = {int(cid): int(ctl.get("dp-rounds", 1))}
-        if int(ctl.get("dp-counted", 0)):
-            dp.counted.add(int(cid))
-        if "dp-noise" in ctl:
-            dp.noises[int(cid)] = float(ctl["dp-noise"])
-        return dp
-
-    def client_reply(self, cid: int, reply, phase: str | None = None):
-        """A SuperNode's reply as it leaves under --dp sample: the model DP-SGD trained (a phase's: no arrays), its
-        ``num_examples`` and the accountant entries of this message (:data:`HISTORY`); nothing else."""
-        from .method import Message
-
-        if phase is not None:
-            reply = self.phase_side(phase, [(cid, reply)])[0][1]
-        keep = {k: reply.meta[k] for k in self.kept(phase) if k in reply.meta}
-        return Message(reply.arrays, {**keep, HISTORY: [list(h) for h in self.histories.get(int(cid), [])]})
-
-    def kept(self, phase: str | None = None) -> tuple[str, ...]:
-        """The meta a reply keeps as it leaves: in a round, ``num_examples`` and the riders; in a phase, its size."""
-        return self.keep if phase is None else ("num_examples",)
-
-    def control(self, cid: int) -> dict:
-        """What a message to client ``cid`` says for its DP-SGD on a SuperNode (:meth:`on_client`)."""
-        out = {"dp-delta": self.delta, "dp-rounds": self.rounds_of.get(cid, 1),
-               **({"dp-counted": 1} if self.counts_noise is not None and cid in self.histories else {})}
-        return {**out, "dp-noise": self.noises[cid]} if cid in self.noises else out
 
     @property
     def delta(self) -> float:
@@ -381,7 +333,6 @@ class SampleDP:
             self._delta_checked = True
         return float(self._delta)
 
-    # ------------------------------------------------------------------------------------------- the client
     def prefix(self) -> tuple:
         """The accountant entry of a client's class counts' release, which begins its history (a method whose loss
         reads them, :func:`reads_counts`): the Gaussian mechanism of std ``counts_noise`` on a histogram that one
@@ -395,6 +346,109 @@ class SampleDP:
         if cid in self.histories:
             return list(self.histories[cid])
         return [] if cid in self.counted else list(self.prefix())
+
+    def noise_of(self, cid: int, rate: float, per_round: int, keep: bool = True) -> float:
+        """Client ``cid``'s noise multiplier: --dp-noise, or solved for --dp-epsilon over its steps in the run (kept
+        once it trains; ``keep`` False: only asked, --dp-budget's foresight)."""
+        if cid in self.noises:
+            return self.noises[cid]
+        z = float(self.noise) if self.noise is not None else \
+            sample_noise_multiplier(float(self.target), rate, per_round * max(1, self.rounds_of.get(cid, 1)),
+                                    self.delta, self.prefix())
+        if keep:
+            self.noises[cid] = z
+        return z
+
+    def trained(self, cid: int, ledger: list, rate: float) -> None:
+        """Client ``cid``'s history after it trained here (:meth:`DPSGD.run_steps`) at sampling rate ``rate``."""
+        self.histories[cid], self.rates[cid] = ledger, rate
+
+    def received(self, cid: int, entries: list) -> None:
+        """Client ``cid``'s accountant entries of one message, sent by its SuperNode (:meth:`SampleWire.arrived`),
+        composed into its history."""
+        self.histories[cid] = composed(self.histories.get(cid, []), entries)
+        self.noises[cid], self.rates[cid] = entries[-1][0], entries[-1][1]
+        self.steps_of[cid] = sum(n for _, _, n in entries)
+
+    def client_epsilon(self, cid: int) -> float:
+        h = self.histories.get(cid)
+        return epsilon_of(tuple(map(tuple, h)), self.delta) if h else 0.0
+
+    def worst(self) -> tuple[int | None, float]:
+        """The client with the largest epsilon so far, and its epsilon (None, 0 before any step)."""
+        eps = {c: self.client_epsilon(c) for c in self.histories}
+        if not eps:
+            return None, 0.0
+        c = max(eps, key=lambda k: (eps[k], -k))
+        return c, eps[c]
+
+    def round_epsilon(self, rnd: int) -> tuple[int | None, float]:
+        """The client of round ``rnd`` whose epsilon would be the largest after it, and that epsilon (None, 0 for a
+        round past the schedule). A client's steps in a round are fixed (``L`` Poisson batches an epoch): the epochs
+        its method's steps ran before, else the run's local epochs; its noise as :meth:`DPSGD.run_steps` would take
+        it."""
+        if rnd > len(self.schedule):
+            return None, 0.0
+        sizes = np.asarray(self.sizes())
+        worst, eps = None, 0.0
+        for c in self.schedule[rnd - 1]:
+            L = batches_per_epoch(int(sizes[c]), self.batch_size)
+            steps = self.steps_of.get(c, self.local_epochs * L)
+            z = self.noise_of(c, 1.0 / L, steps, keep=False)
+            e = epsilon_of(tuple(map(tuple, self.history_of(c))) + ((z, 1.0 / L, steps),), self.delta)
+            if e > eps:
+                worst, eps = c, e
+        return worst, eps
+
+    def over_budget(self, rnd: int) -> str | None:
+        """Why round ``rnd`` may not run (a client it samples would end it with an epsilon past --dp-budget), or
+        None (:meth:`round_epsilon`)."""
+        if self.budget is None:
+            return None
+        worst, eps = self.round_epsilon(rnd)
+        if eps <= self.budget:
+            return None
+        return (f"stopped before round {rnd}: client {worst}'s epsilon would reach {eps:.3g} in it, past --dp-budget "
+                f"{self.budget:g} (the worst client's after round {rnd - 1}: {self.worst()[1]:.3g})")
+
+    def clients(self) -> dict:
+        """summary.json's row of every client with a history: its accountant's inputs and epsilon."""
+        sizes = np.asarray(self.sizes())
+        return {c: {"samples": int(sizes[c]), "sample_rate": self.rates[c],
+                    "noise_multiplier": self.noises[c],  # DP-SGD's steps (not the counts' release)
+                    "steps": int(sum(h[2] for h in self.histories[c])) - len(self.prefix()),
+                    "history": [list(h) for h in self.histories[c]], "epsilon": self.client_epsilon(c)}
+                for c in sorted(self.histories)}
+
+    def state_dict(self) -> dict:
+        """Every client's accountant history, noise multiplier, sampling rate and steps a round (--dp-budget's
+        foresight)."""
+        return {"histories": {c: [list(h) for h in v] for c, v in self.histories.items()},
+                "noises": dict(self.noises), "rates": dict(self.rates), "steps": dict(self.steps_of)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.histories = {int(c): [tuple(h) for h in v] for c, v in d.get("histories", {}).items()}
+        self.noises = {int(c): float(v) for c, v in d.get("noises", {}).items()}
+        self.rates = {int(c): float(v) for c, v in d.get("rates", {}).items()}
+        self.steps_of = {int(c): int(v) for c, v in d.get("steps", {}).items()}
+
+
+class DPSGD:
+    """DP-SGD for a client's described steps (the module doc), the :class:`fedlt.core.steps.StepRunner` of
+    ``--dp sample``: Poisson batches, per-sample gradients, opacus's DPOptimizer around the run's SGD, its step hook
+    composing every step into the client's accountant (``accounts``: :class:`SampleAccounts`); the class counts a
+    loss reads, noised once (:meth:`client_data`). ``key``: the clients' noise key (``--dp-noise-seed secret``;
+    None: from the run's ``seed``)."""
+
+    per_sample = True
+
+    def __init__(self, accounts: SampleAccounts, clip: float, key: str | None = None, seed: int = 0):
+        self.accounts, self.clip, self.key, self.seed = accounts, float(clip), key, int(seed)
+        self.norms: list[torch.Tensor] = []  # this round's per-sample gradient norms (before clipping)
+
+    @property
+    def counts_noise(self) -> float | None:
+        return self.accounts.counts_noise
 
     def client_data(self, data):
         """``data`` as the client's loss may read it under DP-SGD: for a method whose loss reads the class counts,
@@ -414,18 +468,6 @@ class SampleDP:
         view.counts = np.clip(np.rint(counts + noise), 0, None)
         return view
 
-    def noise_of(self, cid: int, rate: float, per_round: int, keep: bool = True) -> float:
-        """Client ``cid``'s noise multiplier: --dp-noise, or solved for --dp-epsilon over its steps in the run (kept
-        once it trains; ``keep`` False: only asked, --dp-budget's foresight)."""
-        if cid in self.noises:
-            return self.noises[cid]
-        z = float(self.noise) if self.noise is not None else \
-            noise_for(float(self.target), self.delta, rate, per_round * max(1, self.rounds_of.get(cid, 1)),
-                      self.prefix())
-        if keep:
-            self.noises[cid] = z
-        return z
-
     def run_steps(self, method, steps: LocalSteps, data, gen: torch.Generator, lr: float | None = None) -> Trained:
         """One client's described steps as DP-SGD (the module doc): Poisson batches, per-sample gradients, opacus's
         DPOptimizer around the run's SGD, its step hook composing every step into the client's ledger."""
@@ -437,8 +479,9 @@ class SampleDP:
         L = batches_per_epoch(n, spec.batch_size)
         rate, epochs = 1.0 / L, spec.local_epochs if steps.epochs is None else steps.epochs
         per_round = method.dp_round_epochs() * L  # all of the round's stages (FedRep: head, then body)
-        z = self.noise_of(cid, rate, per_round)
-        self.steps_of[cid] = per_round
+        accounts = self.accounts
+        z = accounts.noise_of(cid, rate, per_round)
+        accounts.steps_of[cid] = per_round
         run = StepRun(method, steps, lr)
         run.net.train()
         trained = [run.live[k] for k in run.groups]
@@ -448,7 +491,7 @@ class SampleDP:
                                                             keyed_seed(self.key, cid, draw))
         opt = DPOptimizer(run.opt, noise_multiplier=z, max_grad_norm=self.clip, expected_batch_size=n * rate,
                           generator=noise_gen)
-        ledger = [tuple(h) for h in self.history_of(cid)]
+        ledger = [tuple(h) for h in accounts.history_of(cid)]
 
         def step_hook(optim) -> None:  # each step: one Poisson-sampled Gaussian mechanism, into the ledger
             ledger[:] = composed(ledger, [(optim.noise_multiplier, rate * optim.accumulated_iterations, 1)])
@@ -477,38 +520,47 @@ class SampleDP:
                 done += 1
         for t in trained:  # nothing of the per-sample gradients outlives the steps
             t.grad_sample = t.summed_grad = None
-        self.histories[cid], self.rates[cid] = ledger, rate
+        accounts.trained(cid, ledger, rate)
         if norms:
             self.norms.append(torch.cat(norms).detach().cpu())
         means = meter.mean() if meter.steps else [0.0] * (1 + len(part_names))
         return run.trained(stats_of(part_names, means, done))
 
-    # ------------------------------------------------------------------------------------------- the driver
-    def client_side(self, payloads: dict, replies: list) -> list:
-        """Each reply as its client sends it: the model it trained by DP-SGD, ``num_examples`` and the meta that
-        rides with it (:func:`riders`); its training statistics stay with it."""
+class SampleWire:
+    """``--dp sample``'s Flower wire protocol: what a message tells a SuperNode's DP-SGD (:meth:`control`, read by
+    :meth:`SampleDP.on_client`), what its reply carries as it leaves (:meth:`client_reply`: the model, its size, the
+    riders and its accountant's entries of this message, :data:`HISTORY`), and the server's check of those entries
+    against the client's size and the run's settings (:meth:`arrived`), into the client's accountant (``accounts``).
+    ``keep``: the meta a round's reply keeps (``num_examples`` and the method's :func:`riders`)."""
+
+    def __init__(self, accounts: SampleAccounts, keep: tuple[str, ...]):
+        self.accounts, self.keep = accounts, keep
+
+    def kept(self, phase: str | None = None) -> tuple[str, ...]:
+        """The meta a reply keeps as it leaves: in a round, ``num_examples`` and the riders; in a phase, its size."""
+        return self.keep if phase is None else ("num_examples",)
+
+    def control(self, cid: int) -> dict:
+        """What a message to client ``cid`` says for its DP-SGD on a SuperNode (:meth:`SampleDP.on_client`)."""
+        a = self.accounts
+        out = {"dp-delta": a.delta, "dp-rounds": a.rounds_of.get(cid, 1),
+               **({"dp-counted": 1} if a.counts_noise is not None and cid in a.histories else {})}
+        return {**out, "dp-noise": a.noises[cid]} if cid in a.noises else out
+
+    def client_reply(self, cid: int, reply, phase: str | None = None):
+        """A SuperNode's reply as it leaves under --dp sample: the model DP-SGD trained (a phase's: no arrays), its
+        ``num_examples`` and the accountant entries of this message (:data:`HISTORY`); nothing else."""
         from .method import Message
 
-        out = [(cid, Message(r.arrays, {k: r.meta[k] for k in self.keep if k in r.meta})) for cid, r in replies]
-        return out
+        if phase is not None:
+            reply = phase_replies(phase, [(cid, reply)])[0][1]
+        keep = {k: reply.meta[k] for k in self.kept(phase) if k in reply.meta}
+        return Message(reply.arrays, {**keep, HISTORY: [list(h) for h in self.accounts.histories.get(int(cid), [])]})
 
-    def phase_side(self, phase: str, replies: list) -> list:
-        """A post-training phase's replies: ``num_examples`` only (what such a phase may send is its size and
-        statistics, :func:`fedlt.core.dp.unprotected`)."""
-        from .method import Message
-
-        for cid, reply in replies:
-            if reply.arrays:
-                raise ConfigError(f"--dp sample: client {cid} sends {', '.join(sorted(reply.arrays)[:3])} in phase "
-                                  f"{phase}, which DP-SGD did not train; this method cannot run under --dp sample")
-        return [(cid, Message({}, {k: r.meta[k] for k in ("num_examples",) if k in r.meta})) for cid, r in replies]
-
-    def arrived(self, payloads: dict, replies: list, phase: str | None = None) -> tuple[list, dict[int, str]]:
-        """The replies of clients that trained by DP-SGD themselves (Flower's SuperNodes, :meth:`client_reply`): each
-        one's accountant entries added to its accountant here, then the reply as :meth:`client_side` (a phase's:
-        :meth:`phase_side`) gives it; a reply without usable entries, or with other meta, is not used and says
-        why."""
-        self.remote = True
+    def arrived(self, replies: list, phase: str | None = None) -> tuple[list, dict[int, str]]:
+        """The replies of clients that trained by DP-SGD themselves (:meth:`client_reply`): each one's accountant
+        entries added to its accountant here; a reply without usable entries, or with other meta, is not used and
+        says why."""
         out, why = [], {}
         for cid, reply in replies:
             entries = entries_of(cid, reply.meta)
@@ -522,21 +574,21 @@ class SampleDP:
             if cid in why:
                 continue
             if entries:
-                self.histories[cid] = composed(self.histories.get(cid, []), entries)
-                self.noises[cid], self.rates[cid] = entries[-1][0], entries[-1][1]
-                self.steps_of[cid] = sum(n for _, _, n in entries)
+                self.accounts.received(cid, entries)
             out.append((cid, reply))
-        return (self.client_side(payloads, out) if phase is None else self.phase_side(phase, out)), why
+        return out, why
 
     def disagrees(self, cid: int, entries: list) -> str | None:
         """Why a client's accountant entries of one message are not what its size and the run's settings give (its
-        sampling rate ``1 / L``, whole epochs of ``L`` steps, the noise multiplier :meth:`noise_of` gives for them;
+        sampling rate ``1 / L``, whole epochs of ``L`` steps, the noise multiplier :meth:`SampleAccounts.noise_of`
+        gives for them;
         first, where the method's loss reads class counts and the client has no history here, their release,
-        :meth:`prefix`), or None: the accountant takes no sampling rate or noise on a client's word."""
-        L = batches_per_epoch(int(np.asarray(self.sizes())[cid]), self.batch_size)
+        :meth:`SampleAccounts.prefix`), or None: the accountant takes no sampling rate or noise on a client's word."""
+        a = self.accounts
+        L = batches_per_epoch(int(np.asarray(a.sizes())[cid]), a.batch_size)
         rest = list(entries)
-        if self.prefix() and cid not in self.histories:
-            z0, q0, _ = self.prefix()[0]
+        if a.prefix() and cid not in a.histories:
+            z0, q0, _ = a.prefix()[0]
             if not rest or (rest[0][0], rest[0][1]) != (z0, q0):
                 return (f"client {cid}'s accountant entries {entries} do not begin with the release of its class "
                         f"counts ({z0:g}, {q0:g}, 1): its SuperNode runs another fedlt or other settings")
@@ -546,109 +598,145 @@ class SampleDP:
         if any(q != 1.0 / L for _, q, _ in rest) or steps % L:
             return (f"client {cid}'s accountant entries {entries} do not sample at 1/{L} in whole epochs of {L} steps, "
                     f"as its size gives: its SuperNode runs another fedlt or other settings")
-        z = self.noise_of(cid, 1.0 / L, steps, keep=False) if steps else None
+        z = a.noise_of(cid, 1.0 / L, steps, keep=False) if steps else None
         if any(e[0] != z for e in rest):
             return (f"client {cid}'s accountant entries {entries} do not have the noise multiplier {z:g} its size and "
                     f"the run's settings give: its SuperNode runs another fedlt or other settings")
         return None
 
+class SampleDP:
+    """The run's sample-level DP (``--dp sample``), a :class:`fedlt.core.privacy.PrivacyMechanism`: each client's
+    accountant (``accounts``, :class:`SampleAccounts`), the DP-SGD its described steps run by (``trainer``,
+    :class:`DPSGD`, the step runner the engine gives the method), the Flower wire protocol (``wire``,
+    :class:`SampleWire`), and what the driver asks of a mechanism (the replies as they leave, the round's record,
+    the checkpoint, the summary's table)."""
+
+    def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
+                 schedule: list[list[int]], sizes: Callable[[], Any], budget: float | None = None,
+                 batch_size: int = 32, local_epochs: int = 1, key: str | None = None,
+                 counts_noise: float | None = None, seed: int = 0, riders: tuple[str, ...] = (), source: str = ""):
+        import_opacus()
+        self.accounts = SampleAccounts(noise, target, delta, schedule, sizes, budget, batch_size, local_epochs,
+                                       counts_noise)
+        # --dp-noise-seed secret: the clients' noise key (a SuperNode's own: on_client); None: from the run's seed
+        self.trainer = DPSGD(self.accounts, clip, key, seed)
+        # the meta a round's reply keeps: its size and what rides with it
+        self.wire = SampleWire(self.accounts, ("num_examples", *riders))
+        self.source = source  # where the noise comes from, in words (core.noise.noise_source)
+        self.remote = False  # the clients train by DP-SGD themselves (Flower's): their gradient norms stay there
+
+    @property
+    def key(self) -> str | None:
+        return self.trainer.key
+
+    @classmethod
+    def of(cls, cfg, method, schedule: list[list[int]], sizes: Callable[[], Any]) -> "SampleDP":
+        """The run's sample-level DP from its settings (``cfg``: the engine's, ``fedlt.engine.driver.EngineConfig``,
+        every ``dp_*`` setting by its declared name), the method (its batch size and epochs a round, whether its
+        loss reads the class counts, what rides with its replies), the sampling ``schedule`` and the clients'
+        sizes (read when first needed)."""
+        from .noise import noise_key, noise_source
+
+        kind = type(method)
+        return cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, cfg.dp_delta, schedule, sizes, budget=cfg.dp_budget,
+                   batch_size=method.spec.batch_size, local_epochs=method.dp_round_epochs(),
+                   key=noise_key(cfg, cfg.deployed), counts_noise=counts_of(cfg) if reads_counts(kind) else None,
+                   seed=cfg.seed, riders=riders(kind), source=noise_source(cfg, "sample", cfg.deployed))
+
+    @classmethod
+    def on_client(cls, cfg, cid: int, ctl, key: str | None = None, counts: bool = False,
+                  riders: tuple[str, ...] = ()) -> "SampleDP":
+        """A SuperNode's DP-SGD for its client ``cid`` (Flower; its ``trainer`` the method's step runner, its ``wire``
+        the reply's form): the run's clip and noise or target epsilon, and what the server's message says
+        (``dp-delta``; ``dp-rounds``: the client's rounds in the schedule, for
+        --dp-epsilon; ``dp-noise``: its noise multiplier, once the server knows it from an earlier reply);
+        ``key``: the SuperNode's own noise key (``--dp-noise-seed secret``); ``counts``: the method's loss reads the
+        client's class counts (:func:`reads_counts`; ``dp-counted``: the server has counted their release)."""
+        if "dp-delta" not in ctl:
+            raise ConfigError("--dp sample: the message carries no delta (dp-delta), so this client cannot solve its "
+                              "noise: the server runs another fedlt")
+        dp = cls(cfg.dp_clip, cfg.dp_noise, cfg.dp_epsilon, float(ctl["dp-delta"]), [], lambda: [],
+                 batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, key=key,
+                 counts_noise=counts_of(cfg) if counts else None, seed=cfg.seed, riders=riders)
+        a = dp.accounts
+        a.rounds_of = {int(cid): int(ctl.get("dp-rounds", 1))}
+        if int(ctl.get("dp-counted", 0)):
+            a.counted.add(int(cid))
+        if "dp-noise" in ctl:
+            a.noises[int(cid)] = float(ctl["dp-noise"])
+        return dp
+
+    # ------------------------------------------------------------------------------------------- the driver
+    def client_side(self, payloads: dict, replies: list) -> list:
+        """Each reply as its client sends it: the model it trained by DP-SGD, ``num_examples`` and the meta that
+        rides with it (:func:`riders`); its training statistics stay with it."""
+        from .method import Message
+
+        keep = self.wire.keep
+        return [(cid, Message(r.arrays, {k: r.meta[k] for k in keep if k in r.meta})) for cid, r in replies]
+
+    def phase_side(self, phase: str, replies: list) -> list:
+        """A post-training phase's replies: ``num_examples`` only (:func:`phase_replies`)."""
+        return phase_replies(phase, replies)
+
+    def arrived(self, payloads: dict, replies: list, phase: str | None = None) -> tuple[list, dict[int, str]]:
+        """The replies of clients that trained by DP-SGD themselves (Flower's SuperNodes): checked and counted
+        (:meth:`SampleWire.arrived`), then as :meth:`client_side` (a phase's: :meth:`phase_side`) gives them."""
+        self.remote = True
+        out, why = self.wire.arrived(replies, phase)
+        return (self.client_side(payloads, out) if phase is None else self.phase_side(phase, out)), why
+
     def server_side(self, replies: list, gen: torch.Generator) -> list:
         """Nothing: the noise was added on the clients."""
         return replies
 
-    def client_epsilon(self, cid: int) -> float:
-        h = self.histories.get(cid)
-        return epsilon_of(tuple(map(tuple, h)), self.delta) if h else 0.0
-
-    def worst(self) -> tuple[int | None, float]:
-        """The client with the largest epsilon so far, and its epsilon (None, 0 before any step)."""
-        eps = {c: self.client_epsilon(c) for c in self.histories}
-        if not eps:
-            return None, 0.0
-        c = max(eps, key=lambda k: (eps[k], -k))
-        return c, eps[c]
-
     def epsilon(self, rounds: int) -> float:
         """The worst client's epsilon after the rounds done (``rounds`` is the driver's; the accountants hold them)."""
-        return self.worst()[1]
-
-    def round_epsilon(self, rnd: int) -> tuple[int | None, float]:
-        """The client of round ``rnd`` whose epsilon would be the largest after it, and that epsilon (None, 0 for a
-        round past the schedule). A client's steps in a round are fixed (``L`` Poisson batches an epoch): the epochs
-        its method's steps ran before, else the run's local epochs; its noise as :meth:`run_steps` would take it."""
-        if rnd > len(self.schedule):
-            return None, 0.0
-        sizes = np.asarray(self.sizes())
-        worst, eps = None, 0.0
-        for c in self.schedule[rnd - 1]:
-            L = batches_per_epoch(int(sizes[c]), self.batch_size)
-            steps = self.steps_of.get(c, self.local_epochs * L)
-            z = self.noise_of(c, 1.0 / L, steps, keep=False)
-            e = epsilon_of(tuple(map(tuple, self.history_of(c))) + ((z, 1.0 / L, steps),), self.delta)
-            if e > eps:
-                worst, eps = c, e
-        return worst, eps
+        return self.accounts.worst()[1]
 
     def over_budget(self, rnd: int) -> str | None:
-        """Why round ``rnd`` may not run (a client it samples would end it with an epsilon past --dp-budget), or
-        None (:meth:`round_epsilon`)."""
-        if self.budget is None:
-            return None
-        worst, eps = self.round_epsilon(rnd)
-        if eps <= self.budget:
-            return None
-        return (f"stopped before round {rnd}: client {worst}'s epsilon would reach {eps:.3g} in it, past --dp-budget "
-                f"{self.budget:g} (the worst client's after round {rnd - 1}: {self.worst()[1]:.3g})")
+        return self.accounts.over_budget(rnd)
 
     def record(self) -> dict:
         """The round's DP fields of metrics.jsonl: the worst client so far, the share of per-sample gradients the
         clip shortened and their median norm before clipping (the number to tune --dp-clip to)."""
-        norms = torch.cat(self.norms) if self.norms else torch.zeros(0)
-        self.norms = []
+        t = self.trainer
+        norms = torch.cat(t.norms) if t.norms else torch.zeros(0)
+        t.norms = []
         if self.remote:
-            return {"dp_worst_client": self.worst()[0], "dp_clipped": None, "dp_grad_norm": None}
-        return {"dp_worst_client": self.worst()[0],
-                "dp_clipped": float((norms > self.clip).double().mean()) if len(norms) else 0.0,
+            return {"dp_worst_client": self.accounts.worst()[0], "dp_clipped": None, "dp_grad_norm": None}
+        return {"dp_worst_client": self.accounts.worst()[0],
+                "dp_clipped": float((norms > t.clip).double().mean()) if len(norms) else 0.0,
                 "dp_grad_norm": float(norms.median()) if len(norms) else None}
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: every client's accountant history, noise multiplier, sampling rate and steps a
-        round (--dp-budget's foresight)."""
-        return {"histories": {c: [list(h) for h in v] for c, v in self.histories.items()},
-                "noises": dict(self.noises), "rates": dict(self.rates), "steps": dict(self.steps_of),
-                **({} if self.key is None else {"key": self.key})}
+        """What a checkpoint keeps: every client's accountant (:meth:`SampleAccounts.state_dict`) and the noise key."""
+        return {**self.accounts.state_dict(), **({} if self.key is None else {"key": self.key})}
 
     def load_state_dict(self, d: dict) -> None:
-        self.histories = {int(c): [tuple(h) for h in v] for c, v in d.get("histories", {}).items()}
-        self.noises = {int(c): float(v) for c, v in d.get("noises", {}).items()}
-        self.rates = {int(c): float(v) for c, v in d.get("rates", {}).items()}
-        self.steps_of = {int(c): int(v) for c, v in d.get("steps", {}).items()}
+        self.accounts.load_state_dict(d)
         if self.key is not None and "key" in d:
-            self.key = str(d["key"])
+            self.trainer.key = str(d["key"])
 
     def table(self, rounds: int) -> dict:
         """summary.json's ``dp``: the worst client's epsilon, and every client's accountant inputs, to recompute
         each with dp-accounting (:func:`epsilon_of`)."""
         from importlib.metadata import version
 
-        opacus = require().__version__
-        sizes = np.asarray(self.sizes())
-        worst, eps = self.worst()
-        return {"level": "sample", "epsilon": eps, "worst_client": worst, "delta": self.delta,
-                "noise_multiplier": self.noise, "target_epsilon": self.target, "clip": self.clip, "rounds": rounds,
-                "clients": {c: {"samples": int(sizes[c]), "sample_rate": self.rates[c],
-                                "noise_multiplier": self.noises[c],  # DP-SGD's steps (not the counts' release)
-                                "steps": int(sum(h[2] for h in self.histories[c])) - len(self.prefix()),
-                                "history": [list(h) for h in self.histories[c]], "epsilon": self.client_epsilon(c)}
-                            for c in sorted(self.histories)},
-                "unamplified": [c for c in sorted(self.histories) if self.rates[c] >= 1.0],
+        opacus = import_opacus().__version__
+        a = self.accounts
+        worst, eps = a.worst()
+        return {"level": "sample", "epsilon": eps, "worst_client": worst, "delta": a.delta,
+                "noise_multiplier": a.noise, "target_epsilon": a.target, "clip": self.trainer.clip, "rounds": rounds,
+                "clients": a.clients(),
+                "unamplified": [c for c in sorted(a.histories) if a.rates[c] >= 1.0],
                 "sampling": "Poisson: each sample in a step with probability sample_rate = 1 / (its batches an "
                             "epoch), 1 / sample_rate steps an epoch (opacus UniformWithReplacementSampler)",
                 "adjacency": "add or remove one sample of one client",
                 "noise_seed": NOISE_SEEDS["run" if self.key is None else "secret"],
                 **({"noise_source": self.source} if self.source else {}),
-                **({} if self.counts_noise is None else {
-                    "counts_noise": self.counts_noise,
+                **({} if a.counts_noise is None else {
+                    "counts_noise": a.counts_noise,
                     "counts": "the method's loss reads each client's class counts: it reads them plus N(0, "
                               "counts_noise^2) per class, rounded, at least 0, drawn once (a histogram one sample "
                               "changes by 1: each history begins with (counts_noise, 1, 1))"}),

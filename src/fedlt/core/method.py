@@ -40,7 +40,7 @@ from .finetune import build_finetune_model
 from .privacy import MODEL, Sent, check_declaration, sent
 from .spec import RunSpec, load_weights, weights_of
 from .state import ServerState, state_from
-from .steps import run_steps
+from .steps import PLAIN_STEPS, StepRunner, run_steps
 
 Meta = dict[str, Any]
 
@@ -138,7 +138,7 @@ class Method:
     # described steps (local_steps) whose loss of one sample reads nothing of the client's other samples; "counts"
     # where that loss also reads the client's class counts (data.counts), which DP-SGD then gives it noised once
     # (--dp-counts-noise, counted in the client's accountant); a subclass that changes a client hook declares it
-    # again (dp.declared)
+    # again (dp.runs_dp_sgd)
     dp_sample: bool | str = False
     # --dp client: why its server's use of each reply is not covered by the noised mean, in words ("" where it is)
     dp_client_refusal: str = ""
@@ -146,11 +146,15 @@ class Method:
     dp_sample_needs: str = ""
     # --secagg (core.secagg): True where the rounds' aggregate needs only the num_examples-weighted mean of the
     # replies' floating-point arrays (and each reply's meta, which SecAgg+ leaves in the clear) -- what Flower's
-    # SecAgg+ hands the server; a subclass that changes aggregate or sends declares it again (:func:`declared`)
+    # SecAgg+ hands the server; a subclass that changes aggregate or sends declares it again (:func:`declares`)
     secagg: bool = False
     # --finetune head/lora (core.finetune.NEEDS): what of the model the algorithm needs that a frozen pre-trained
     # backbone may not give it, {need: what, in the method's words}; the run refuses the modes that lack it
     finetune_needs: dict[str, str] = {}
+    # how the clients' described steps run (core.steps.StepRunner): plain SGD; under --dp sample the run's DP-SGD
+    # (core.dpsgd.DPSGD), selected by the privacy mechanism for the clients it trains (engine.privacy) and by a
+    # Flower SuperNode for its own
+    step_runner: StepRunner = PLAIN_STEPS
 
     def dp_round_epochs(self) -> int:
         """--dp sample: the epochs of DP-SGD a client runs in a round, over all its described stages (its accountant
@@ -261,9 +265,7 @@ class Method:
     def local_train(self, payload: Message, cstate: dict, data, gen: torch.Generator) -> tuple[Message, dict]:
         """One client's training of one round. Default: run :meth:`local_steps` here, one client alone, and
         answer with :meth:`local_reply`; a method with a loop of its own overrides this instead."""
-        private = getattr(self, "dpsgd", None)
-        if private is not None:  # --dp sample: a loss that reads the class counts reads them noised (core.dpsgd)
-            data = private.client_data(data)
+        data = self.step_runner.client_data(data)  # DP-SGD: class counts the loss reads, noised once (core.dpsgd)
         steps = self.local_steps(payload, cstate, data)
         if steps is None:
             raise NotImplementedError(f"method {self.name} defines neither local_steps nor local_train")
@@ -324,15 +326,15 @@ class Method:
         return self._eval_net
 
 
-def declared(cls: type, flag: str, hooks: tuple[str, ...]) -> bool:
+def declares(cls: type, flag: str, hooks: tuple[str, ...]) -> bool:
     """Whether method class ``cls`` has the boolean class attribute ``flag``: the nearest class of its MRO that sets
     it says so, unless a class below that one changes one of ``hooks`` (what the flag vouches for) without setting
     it again."""
-    return bool(declaration(cls, flag, hooks))
+    return bool(declared_value(cls, flag, hooks))
 
 
-def declaration(cls: type, flag: str, hooks: tuple[str, ...]):
-    """The value of class attribute ``flag`` that vouches for method class ``cls`` (:func:`declared`): the nearest
+def declared_value(cls: type, flag: str, hooks: tuple[str, ...]):
+    """The value of class attribute ``flag`` that vouches for method class ``cls`` (:func:`declares`): the nearest
     class of its MRO that sets it, or False where a class below that one changes one of ``hooks`` without setting
     it again (or none sets it)."""
     for klass in cls.__mro__:

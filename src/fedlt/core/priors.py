@@ -4,7 +4,7 @@ BSM), FedLC's calibration, FedETF's balanced loss, and the methods that change n
 - :func:`prior_counts`: the counts with a policy for the classes the client lacks;
 - :class:`CountLoss`: a mixin for a method whose clients train on ``local_loss(logits, y, counts)``, described as
   local steps (so its clients can be batched); the counts stay on the client. Under ``--dp sample`` the loss reads
-  them noised once (``dp_sample = "counts"``, :meth:`fedlt.core.dpsgd.SampleDP.client_data`).
+  them noised once (``dp_sample = "counts"``, :meth:`fedlt.core.dpsgd.DPSGD.client_data`).
 """
 from __future__ import annotations
 

@@ -288,7 +288,7 @@ class Declared:
 _DECLARED: "weakref.WeakKeyDictionary[Any, Declared]" = weakref.WeakKeyDictionary()
 
 
-def declared(method) -> Declared:
+def declared_sends(method) -> Declared:
     d = _DECLARED.get(method)
     if d is None:
         d = _DECLARED[method] = Declared(method)
@@ -300,7 +300,7 @@ def classify(method, exchange: str, message) -> list[dict]:
     matched to the first declared :class:`Sent` of ``method.sends`` that applies: rows {"name", "kind" (array or
     meta), "shape", "bytes", "category", "declared" (the Sent's name)}; an undeclared item has category
     "undeclared" and declared None."""
-    d = declared(method)
+    d = declared_sends(method)
     rows = []
     for kind, items in (("array", message.arrays), ("meta", message.meta)):
         for name, v in items.items():

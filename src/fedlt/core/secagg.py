@@ -39,7 +39,7 @@ MODULUS = 2 ** 32  # Flower's modulus_range, its default and largest: the masked
 MIN_CLIENTS = 3  # SecAgg+ splits each client's secrets into at least 3 shares (flwr: num_shares > 2)
 
 
-def require() -> Any:
+def import_secagg_arithmetic() -> Any:
     """Flower's SecAgg+ arithmetic (``flwr.common.secure_aggregation``), or a one-line error that says how to
     install it."""
     try:
@@ -65,10 +65,10 @@ HOOKS = ("aggregate", "sends")  # what ``Method.secagg`` vouches for: a class th
 
 
 def runs_under(cls) -> bool:
-    """Whether method class ``cls`` runs under ``--secagg``: its ``secagg`` (:func:`fedlt.core.method.declared`)."""
-    from .method import declared
+    """Whether method class ``cls`` runs under ``--secagg``: its ``secagg`` (:func:`fedlt.core.method.declares`)."""
+    from .method import declares
 
-    return declared(cls, "secagg", HOOKS)
+    return declares(cls, "secagg", HOOKS)
 
 
 def why_not(cls) -> str:
@@ -99,7 +99,7 @@ class SecAgg:
 
     def __init__(self, shares: int | None, threshold: int | None, clip_range: float, levels: int,
                  max_weight: float | None, uniform: bool):
-        require()
+        import_secagg_arithmetic()
         self.shares, self.threshold = shares, threshold
         self.clip_range, self.levels, self.max_weight = float(clip_range), int(levels), max_weight
         self.uniform = uniform  # --dp client: every client sends num_examples 1
@@ -206,7 +206,7 @@ def client_vector(update: list[np.ndarray], weight: float, p: RoundParams) -> tu
     """(the quantised weight, the quantised weighted update): what ``secaggplus_mod`` computes before it adds the
     masks (flwr 1.42 ``_collect_masked_vectors``), with Flower's functions. The stochastic rounding draws from
     numpy's global generator (seed it first: :func:`numpy_seeded`)."""
-    quantization, arith = require()
+    quantization, arith = import_secagg_arithmetic()
     q_ratio = round(weight / p.max_weight * p.levels)
     weighted = arith.parameters_multiply(update, q_ratio / p.levels)
     return q_ratio, quantization.quantize(weighted, p.clip_range, p.levels)
@@ -218,7 +218,7 @@ def secure_mean(updates: list[list[np.ndarray]], weights: list[float], p: RoundP
     client's vector as :func:`client_vector` makes it (its rounding seeded with its ``seeds`` entry), their sum
     modulo 2^32 -- the masks, which cancel in that sum, left out -- and the server's unmasking arithmetic (flwr 1.42
     ``SecAggPlusWorkflow.unmask_stage``): dequantise, remove the clients' offsets, divide by the summed weights."""
-    quantization, arith = require()
+    quantization, arith = import_secagg_arithmetic()
     total = None
     for update, weight, seed in zip(updates, weights, seeds):
         with numpy_seeded(seed):

@@ -33,7 +33,7 @@ zero gradient -- and a momentum and weight-decay step -- in the batched executor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -177,30 +177,63 @@ def strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tens
     return {k[n:]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
+class StepRunner(Protocol):
+    """How a client's described steps run (:attr:`fedlt.core.method.Method.step_runner`): plain SGD
+    (:data:`PLAIN_STEPS`, the default) or, under ``--dp sample``, DP-SGD (:class:`fedlt.core.dpsgd.DPSGD`, which the
+    run's privacy mechanism selects for the clients it trains in process, and a Flower SuperNode for its own)."""
+
+    # each sample's gradient is bounded alone (DP-SGD): the round's clients are not batched together (their
+    # per-sample gradients are vectorised instead), and a method whose loop of its own would escape the bound runs
+    # its described steps
+    per_sample: bool
+    # the std of the noise on the class counts that :meth:`client_data` gives the loss; None: the counts as they are
+    counts_noise: float | None
+
+    def client_data(self, data):
+        """``data`` as the client's loss may read it (DP-SGD: its class counts noised once)."""
+
+    def run_steps(self, method, steps: LocalSteps, data, gen: torch.Generator, lr: float | None = None) -> Trained:
+        """Run the description ``steps`` for one client at the round's ``lr`` (None: the run's ``spec.lr``)."""
+
+
+class PlainSteps:
+    """The method's working model, ``torch.optim.SGD`` with one parameter group per :class:`Train` group, the shared
+    loop :func:`fedlt.core.training.train_local`: the :class:`StepRunner` of every run without ``--dp sample``."""
+
+    per_sample = False
+    counts_noise = None
+
+    def client_data(self, data):
+        return data
+
+    def run_steps(self, method, steps: LocalSteps, data, gen: torch.Generator, lr: float | None = None) -> Trained:
+        run = StepRun(method, steps, lr)
+        part_names: list[str] = []
+
+        def loss_fn(model, x, y):
+            loss, parts = split_loss(steps.loss(run.view, x, y, run.extra))
+            part_names[:] = list(parts)
+            return (loss, parts) if parts else loss
+
+        raw = train_local(run.net, data, method.spec, gen, loss_fn, epochs=steps.epochs, optimizer=run.opt,
+                          parts=True)
+        return run.trained(stats_of(part_names, raw["means"], raw["steps"]))
+
+
+PLAIN_STEPS = PlainSteps()
+
+
 def run_steps(method, steps: LocalSteps, data, gen: torch.Generator, lr: float | None = None) -> Trained:
     """Run a description for one client at the round's ``lr`` (the one its message carried; None: the run's
-    ``spec.lr``): the method's working model, ``torch.optim.SGD`` with one parameter group per :class:`Train`
-    group, the shared loop :func:`fedlt.core.training.train_local`. Under ``--dp sample`` (the run's
-    :class:`fedlt.core.dpsgd.SampleDP` on ``method.dpsgd``) the same description trains by DP-SGD instead."""
-    private = getattr(method, "dpsgd", None)
-    if private is not None:
-        return private.run_steps(method, steps, data, gen, lr)
-    run = StepRun(method, steps, lr)
-    part_names: list[str] = []
-
-    def loss_fn(model, x, y):
-        loss, parts = split_loss(steps.loss(run.view, x, y, run.extra))
-        part_names[:] = list(parts)
-        return (loss, parts) if parts else loss
-
-    raw = train_local(run.net, data, method.spec, gen, loss_fn, epochs=steps.epochs, optimizer=run.opt, parts=True)
-    return run.trained(stats_of(part_names, raw["means"], raw["steps"]))
+    ``spec.lr``) by the method's :class:`StepRunner` (``method.step_runner``: plain SGD, or DP-SGD under
+    ``--dp sample``)."""
+    return method.step_runner.run_steps(method, steps, data, gen, lr)
 
 
 class StepRun:
     """One client's description made live on the method's working model: the weights loaded, the trained names and
     their groups, the extra tensors (trained ones as fresh leaves), ``torch.optim.SGD`` with one parameter group
-    per setting and the momentum carried in, and the :class:`StepModel` the loss sees (:func:`run_steps`; DP-SGD's
+    per setting and the momentum carried in, and the :class:`StepModel` the loss sees (:class:`PlainSteps`; DP-SGD's
     ``fedlt.core.dpsgd`` trains the same)."""
 
     def __init__(self, method, steps: LocalSteps, lr: float | None = None):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.transforms import to_model_input
-from .clip import frozen_tower, read_safetensors, require
+from .clip import check_keys, frozen_tower, read_safetensors
 
 
 class Block(nn.Module):
@@ -97,7 +97,7 @@ def load_vit(path: str, device="cpu") -> ViTTower:
         heads, eps = int(config.get("num_attention_heads", 12)), float(config.get("layer_norm_eps", 1e-12))
     else:
         sd = read_safetensors(path, "ViT weights")
-    require(sd, ("patch_embed.proj.weight", "cls_token", "pos_embed", "norm.weight"), f"ViT weights: {path}",
+    check_keys(sd, ("patch_embed.proj.weight", "cls_token", "pos_embed", "norm.weight"), f"ViT weights: {path}",
             "timm's ViT layout")
     width, _, patch, _ = sd["patch_embed.proj.weight"].shape
     grid = round((sd["pos_embed"].shape[1] - 1) ** 0.5)

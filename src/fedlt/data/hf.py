@@ -42,7 +42,7 @@ INSTALL = "install it with: pip install 'fedlt[flwr-datasets]'"
 TEST_SPLITS = ("test", "validation", "valid")
 
 
-def require(module: str):
+def import_optional(module: str):
     """Import ``datasets`` / ``flwr_datasets.partitioner``, or a one-line ConfigError with the install command."""
     try:
         return importlib.import_module(module)
@@ -53,7 +53,7 @@ def require(module: str):
 # ------------------------------------------------------------------------------------------------ hf:NAME
 def open_splits(source: str):
     """The ``DatasetDict`` of a ``save_to_disk`` folder, or of the hub dataset ``source`` (the HF cache offline)."""
-    datasets = require("datasets")
+    datasets = import_optional("datasets")
     path = Path(source).expanduser()
     if path.exists():
         try:
@@ -217,7 +217,7 @@ DATASETS.add_prefix("hf", hf_dataset, "a Hugging Face dataset: a save_to_disk fo
 # ------------------------------------------------------------------------------------------------ flwr:CLASS
 def partitioner_classes() -> dict[str, type]:
     """Flower Datasets' horizontal partitioners by class name (the vertical ones split columns, not rows)."""
-    fp = require("flwr_datasets.partitioner")
+    fp = import_optional("flwr_datasets.partitioner")
     return {n: c for n, c in vars(fp).items() if isinstance(c, type) and issubclass(c, fp.Partitioner)
             and c is not fp.Partitioner and not n.startswith("Vertical") and not inspect.isabstract(c)}
 
@@ -321,7 +321,7 @@ def flwr_partition(name: str):
 
     @reads(args="partition_args")
     def part(labels, num_clients: int, num_classes: int, seed: int, args: dict | None = None, groups=None, **_):
-        datasets = require("datasets")
+        datasets = import_optional("datasets")
         p = make_partitioner(name, cls, num_clients, seed, args)
         columns = {"label": np.asarray(labels, np.int64), "row": np.arange(len(labels), dtype=np.int64)}
         if groups is not None:

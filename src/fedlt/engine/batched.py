@@ -548,7 +548,7 @@ def client_parallel_chunk(setting, method: Method) -> int | None:
     nothing) or N (chunks of N clients, on any device). Methods with a loop of their own, fp16 (its gradient
     scaler) and ``--dp sample`` (DP-SGD, ``core.dpsgd``, vectorises each client's per-sample gradients instead)
     always train one client after another."""
-    if not method.describes_steps() or method.spec.precision == "fp16" or getattr(method, "dpsgd", None) is not None:
+    if not method.describes_steps() or method.spec.precision == "fp16" or method.step_runner.per_sample:
         return 0
     setting = str(setting)
     if setting == "off":

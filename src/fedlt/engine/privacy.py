@@ -64,10 +64,12 @@ class Privacy:
         self.transport_masks = bool(transport.secagg)  # the transport runs SecAgg+ itself (Flower's)
 
     def scheduled(self, schedule: list[list[int]], sizes: Callable) -> None:
-        """Once the sampling schedule is drawn: ``--dp sample``'s mechanism, DP-SGD in every client's described
-        steps (the method's ``dpsgd``), an accountant each (``sizes``: every client's number of samples)."""
+        """Once the sampling schedule is drawn: ``--dp sample``'s mechanism, an accountant each (``sizes``: every
+        client's number of samples), and its DP-SGD the step runner of the clients that train in this process (the
+        method's ``step_runner``; a Flower SuperNode selects its own)."""
         if self.cfg.dp == "sample":
-            self.dp = self.method.dpsgd = SampleDP.of(self.cfg, self.method, schedule, sizes)
+            self.dp = SampleDP.of(self.cfg, self.method, schedule, sizes)
+            self.method.step_runner = self.dp.trainer
 
     def carrier(self, transport):
         """``transport`` as the driver's exchange uses it: wrapped where its clients do not apply the DP

@@ -164,7 +164,7 @@ class BalanceFL(Method):
         counts that ``data`` carries there."""
         p = self.p
         counts = torch.as_tensor(data.counts, dtype=torch.float32, device=self.spec.device)
-        floor = p.dp_present * self.dpsgd.counts_noise
+        floor = p.dp_present * self.step_runner.counts_noise
         present = counts >= max(floor, 1.0)  # a class of noised count 0 is never the client's
         weight = torch.ones_like(counts)
         if p.balanced_sampling:
@@ -192,7 +192,7 @@ class BalanceFL(Method):
         return loss, {"ce": ce, "ki": ki}
 
     def local_train(self, payload, cstate, data, gen):
-        if getattr(self, "dpsgd", None) is not None:  # --dp sample: local_steps, as DP-SGD
+        if self.step_runner.per_sample:  # --dp sample: local_steps, as DP-SGD
             return super().local_train(payload, cstate, data, gen)
         p, C = self.p, self.spec.num_classes
         net = self.net

@@ -50,7 +50,7 @@ only. Both sides run :mod:`fedlt.core.dp`'s functions instead.
 ``--dp sample`` (DP-SGD, :mod:`fedlt.core.dpsgd`): the client's described steps, in a round and in a phase, run as
 DP-SGD here (``SampleDP.on_client``, from the run's settings and the message's ``dp-delta``, ``dp-rounds`` and, once
 the server knows it, ``dp-noise``); the reply leaves with the model, ``num_examples`` and the accountant's entries of
-this message (``dp_history``), nothing else (``SampleDP.client_reply``); the server keeps every client's accountant.
+this message (``dp_history``), nothing else (``SampleWire.client_reply``); the server keeps every client's accountant.
 ``describe`` says no label counts, and from a SuperNode with its own data its number of samples (public in DP-SGD's
 analysis).
 
@@ -86,11 +86,13 @@ from ...core.method import Message, Method, RunSpec
 from ...core.noise import noise_seed
 from ...core.spec import milestones_text
 from ...core.state import tree_of
+from ...core.steps import PLAIN_STEPS
 from ...data.federated import ClientData, Prep
 from ...data.partition import partition_settings
 from ...core.training import autocast
 from ..federation import federation_for
 from ...seeds import Purpose
+from ..federation import federation_for
 from ..driver import client_generator
 from ...errors import ConfigError, DataError
 from ...metrics import as_modes, client_reports, client_split
@@ -219,6 +221,7 @@ class Node:
     state_dir: str | None
     run: str  # the fedlt run's id (kept in its run directory): the client states belong to it
     ctl: Any = None  # the message's fedlt record
+    dp: SampleDP | None = None  # --dp sample: this message's DP-SGD (its trainer, the method's step runner; its wire)
 
     @classmethod
     def of(cls, msg: FlwrMessage, context: Context) -> "Node":
@@ -255,9 +258,10 @@ class Node:
         training = job.cfg.dp == "sample" and msg.metadata.message_type.startswith("train")
         secret = noise_seed(job.cfg.dp_noise_seed, deployed=True) == "secret"  # a server that says none: its own key
         key = node_noise_key(context.state, state_dir, run) if training and secret else None
-        method.dpsgd = SampleDP.on_client(job.cfg, cid, ctl, key, reads_counts(type(method)),
-                                          riders(type(method))) if training else None
-        return cls(cid, data, method, job, state_dir, run, ctl)
+        dp = SampleDP.on_client(job.cfg, cid, ctl, key, reads_counts(type(method)), riders(type(method))) \
+            if training else None
+        method.step_runner = dp.trainer if dp is not None else PLAIN_STEPS
+        return cls(cid, data, method, job, state_dir, run, ctl, dp)
 
     def client_state(self, context: Context) -> dict:
         """The client's state as the server expects it: its newest version of the message's ``state-round``
@@ -338,8 +342,8 @@ def _trained(node: Node, msg: FlwrMessage, context: Context, cstate: dict, **sai
         stats_clip = node.job.cfg.dp_stats_clip or STATS_CLIP  # class statistics (a class-mean method's)
         reply, _, _ = client_reply(payload.arrays, reply, float(ctl["dp-clip"]), f"client {node.cid}", bit=True,
                                    means=class_means(node.method.sends), stats_clip=stats_clip)
-    elif node.method.dpsgd is not None:  # trained by DP-SGD: the model, its size and the accountant's entries
-        reply = node.method.dpsgd.client_reply(node.cid, reply)
+    elif node.dp is not None:  # trained by DP-SGD: the model, its size and the accountant's entries
+        reply = node.dp.wire.client_reply(node.cid, reply)
     return node.reply(msg, reply, **{"has-state": bool(cstate)}, **said)
 
 
@@ -354,8 +358,8 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
     node.save(context, cstate, node.job.cfg.rounds + 1 + index)
     if node.job.cfg.dp == "client":
         reply = phase_reply(name, f"client {node.cid}", reply)
-    elif node.method.dpsgd is not None:
-        reply = node.method.dpsgd.client_reply(node.cid, reply, phase=name)
+    elif node.dp is not None:
+        reply = node.dp.wire.client_reply(node.cid, reply, phase=name)
     return node.reply(msg, reply, **{"has-state": bool(cstate)})
 
 

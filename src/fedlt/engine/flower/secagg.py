@@ -127,8 +127,8 @@ def secure_round(transport, rnd: int, payloads: dict[int, Message]) -> tuple[lis
     st = transport.st
     driver = st.driver
     # --dp client: every weight is 1, and the SuperNodes send no sizes (driver.counts is not there); --dp sample:
-    # their sizes only (SampleDP.sizes)
-    sizes = driver.dp.sizes() if st.cfg.dp == "sample" else None
+    # their sizes only (Driver.sizes)
+    sizes = driver.sizes() if st.cfg.dp == "sample" else None
     largest = 1 if driver.secagg.uniform else largest_client(
         np.asarray(sizes) if sizes is not None else driver.counts().sum(1), payloads)
     p = driver.secagg.round_params(len(payloads), largest)

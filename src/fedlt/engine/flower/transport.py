@@ -425,7 +425,7 @@ class GridTransport:
     def messages(self, kind: str, index: int, payloads: dict[int, Message]) -> dict[int, FlwrMessage]:
         """One Flower message per client: a round's ``train`` (its round, and under ``--dp client`` the round's
         clip, ``dp-clip``, which adaptive clipping moves) or a phase's ``train.phase`` (its name and index), under
-        ``--dp sample`` what the client's DP-SGD needs (``SampleDP.control``), what the ClientApp's two handlers read;
+        ``--dp sample`` what the client's DP-SGD needs (``SampleWire.control``), what the ClientApp's two handlers read;
         the round's lr is in each payload's config."""
         st, dp = self.st, self.st.driver.dp
         ctl = {"round": index} if kind == TRAINING else {"phase": kind, "index": index}
@@ -436,7 +436,7 @@ class GridTransport:
         riding = self.riding if kind == TRAINING else None
         msgs = {}
         for cid, p in payloads.items():
-            c = {**ctl, **(dp.control(cid) if st.cfg.dp == "sample" else {}), **self.state_control(cid, bound)}
+            c = {**ctl, **(dp.wire.control(cid) if st.cfg.dp == "sample" else {}), **self.state_control(cid, bound)}
             if riding is not None and cid in riding[0]:  # the previous round's evaluation goes with it
                 rd = to_records(p, what="payload")
                 for k, v in riding[0][cid].items():
@@ -464,7 +464,7 @@ class GridTransport:
     @property
     def privatises(self) -> bool:
         """Whether the clients apply the DP themselves (the ClientApp: ``--dp client`` clips,
-        :func:`fedlt.core.dp.client_reply`; ``--dp sample`` trains by DP-SGD, ``SampleDP.client_reply``), so that the
+        :func:`fedlt.core.dp.client_reply`; ``--dp sample`` trains by DP-SGD, ``SampleWire.client_reply``), so that the
         driver checks their replies instead (``ClientDP.arrived``, ``SampleDP.arrived``)."""
         return self.st.cfg.dp != "off"
 
