@@ -309,18 +309,23 @@ class Gated:
                                                                                               {"mode": "b"}))
     width: int = setting(4, "only with the switch", low=2, only_with=("on", (True,)))
     lr: float = setting(0.2, "only with q", low=0, low_open=True, only_with=("q", "given"))
+    tag: str | None = setting(None, "only with mode b, and why", only_with=("mode", ("b",), {"mode": "a"},
+                                                                            "mode a names its own"))
 
 
 def test_only_with_generates_the_applies_only_when_relations_their_messages_and_bad_examples():
     from fedlt.decl import check_relations, check_values, only_with_relations
 
     rels = {r.setting: r for r in only_with_relations(Gated)}
-    assert set(rels) == {"clip", "seed", "width", "lr"} and all(r.kind == "applies only when" for r in rels.values())
+    assert set(rels) == {"clip", "seed", "width", "lr", "tag"} and all(r.kind == "applies only when" for r in rels.values())
     assert rels["clip"].error(Gated()) == "--clip applies to --mode a and --mode b; add one or drop it"
     assert rels["seed"].error(Gated()) == "--seed applies to --mode a; add --mode a or drop it"
     assert rels["width"].error(Gated()) == "--width applies to --on; add --on or drop it"
     assert rels["lr"].error(Gated()) == "--lr applies to --q Q; add --q Q or drop it"
     assert rels["seed"].bad == ({"seed": "run"}, {"mode": "b", "seed": "run"})
+    # the declaration's why, in words, goes into the message; a text setting's example is text ("1")
+    assert rels["tag"].error(Gated()) == "--tag applies to --mode b (mode a names its own); add --mode b or drop it"
+    assert rels["tag"].bad == ({"tag": "1"}, {"mode": "a", "tag": "1"})
     for name, r in rels.items():  # every bad example: a value the setting takes, other than its default, refused
         for bad in r.bad:
             cfg = Gated(**bad)
@@ -328,6 +333,7 @@ def test_only_with_generates_the_applies_only_when_relations_their_messages_and_
             assert getattr(cfg, name) != getattr(Gated(), name)
             with pytest.raises(ConfigError, match=f"^--{name} applies to"):
                 check_relations(cfg, [r])
-    ok = [Gated(mode="a", clip=2.0, seed="key"), Gated(on=True, width=8), Gated(q=0.5, lr=1.0), Gated()]
+    ok = [Gated(mode="a", clip=2.0, seed="key"), Gated(on=True, width=8), Gated(q=0.5, lr=1.0),
+          Gated(mode="b", tag="x"), Gated()]
     for cfg in ok:  # where the other takes it, or at its default: nothing to refuse
         check_relations(cfg, rels.values())

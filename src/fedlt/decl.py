@@ -767,7 +767,9 @@ def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ relations
 @dataclass(frozen=True)
 class Relation:
-    """A relation between settings, declared beside them (``fedlt.config.RELATIONS``) and checked like them
+    """A relation between settings, declared beside them (where they are declared: ``fedlt.config.RELATIONS``, and
+    the lists it includes from ``core.spec``, ``core.finetune``, ``core.privacy_settings``, ``fedlt.pretrained``;
+    ``engine.faults.RELATIONS`` for the time model's, checked when a run is prepared) and checked like them
     (:func:`check_relations`): one line, exit status 2, before anything is loaded or written.
 
     ``kind`` says which: ``applies only when`` (a setting that the configuration would ignore: given a value

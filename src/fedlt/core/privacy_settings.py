@@ -16,8 +16,9 @@ from typing import Any, Callable
 from ..decl import FLOAT32_MAX, GIVEN, INT32, Relation, applies_when, requires, setting, words
 from ..registry import METHODS
 from . import secagg
-from .dp import (POOLED, STATS_CLIP, UNDECLARED, class_means, count_noise_of, default_delta, delta_problem, epsilon,
-                 privatised, reads_counts, refusal, release_count, solved_noise, split_problem, update_noise)
+from .dp import (COUNT_SHARE, POOLED, STATS_CLIP, UNDECLARED, class_means, count_noise_of, default_delta,
+                 delta_problem, epsilon, privatised, reads_counts, refusal, release_count, solved_noise, split_problem,
+                 update_noise)
 from .dpsgd import COUNTS_NOISE
 from .spec import clients_per_round
 
@@ -73,11 +74,11 @@ class PrivacySettings:
     dp_count_noise: float | None = setting(None, "--dp-clip-quantile: the std of the Gaussian noise on the count of "
                                                  "unclipped updates", low=0, low_open=True, metavar="S",
                                            group=PRIVACY, reads=("engine",),
-                                           none_means="the expected clients a round / 20 (Andrew et al.)",
+                                           none_means=f"the expected clients a round / {COUNT_SHARE} (Andrew et al.)",
                                            only_with=("dp_clip_quantile", GIVEN))
-    dp_stats_clip: float = setting(STATS_CLIP, "--dp client: the L2 norm each client's class statistics are clipped "
-                                               "to, for a method that declares them privatised as noised per-class "
-                                               "means (CReFF's, RedGrape's per-class gradients)", low=0,
+    dp_stats_clip: float = setting(STATS_CLIP, lambda: "--dp client: the L2 norm each client's class statistics are "
+                                   "clipped to, for a method that declares them privatised as noised per-class means "
+                                   f"({words(class_mean_methods(), 'and')})", low=0,
                                    low_open=True, metavar="C", group=PRIVACY, reads=("engine",), only_with=DP_CLIENT)
     dp_accountant: str = setting("rdp", "--dp client: the accountant (Google's dp-accounting): rdp (Renyi DP, the "
                                         "one Flower's DP uses) or pld (privacy loss distributions: a tighter epsilon, "
@@ -160,6 +161,12 @@ def counts_methods() -> list[str]:
     return methods_where(reads_counts, ())
 
 
+def class_mean_methods() -> list[str]:
+    """The built-in methods whose clients send class statistics that --dp client privatises as noised per-class means
+    (``Sent.dp`` ``class-mean``, :func:`fedlt.core.dp.class_means`)."""
+    return methods_where(lambda cls: class_means(getattr(cls, "sends", ())), ())
+
+
 def only_the_model(level: str) -> list[str]:
     """The built-in methods that run under ``--dp level`` whose clients send only the model (nothing privatised
     beside it: :func:`fedlt.core.dp.privatised`), FedAvg-family first."""
@@ -216,7 +223,7 @@ def relations(method_of: Callable[[Any], type], workers_of: Callable[[Any], int]
         applies_when("dp_stats_clip",
                      lambda c: c.dp != "client" or bool(class_means(getattr(method_of(c), "sends", ()))),
                      lambda c: f"--dp-stats-clip clips the class statistics of a method that sends them as noised "
-                               f"per-class means ({', '.join(methods_where(lambda k: class_means(k.sends), ()))}), and "
+                               f"per-class means ({', '.join(class_mean_methods())}), and "
                                f"method {c.method} sends none; drop it", others=("method",),
                      bad=({**ON_CLIENT, "dp_stats_clip": 2.0},)),
         requires("dp_clip_quantile", lambda c: split_problem(level(c).noise, level(c).count_noise) is None,
@@ -249,7 +256,7 @@ def relations(method_of: Callable[[Any], type], workers_of: Callable[[Any], int]
                            f"unprotected; choose a method whose clients send only the model "
                            f"({', '.join(only_the_model(c.dp)[:4])}, ...)"
                            + (f", or one whose class statistics it privatises "
-                              f"({', '.join(methods_where(lambda k: class_means(k.sends), ()))})"
+                              f"({', '.join(class_mean_methods())})"
                               if c.dp == "client" else ""),
                  when=lambda c: c.dp != "off", others=("method",),
                  bad=({**ON_CLIENT, "method": "ccvr"},
