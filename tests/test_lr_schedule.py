@@ -157,7 +157,8 @@ def test_every_method_trains_at_the_lr_its_message_carries(method):
     the aggregated server state (server-side training takes the round's lr from the schedule) and every phase
     are bit for bit the same. A client hook that read its lr from the spec instead of the message fails here."""
     from conftest import method_test_params, small_config
-    from fedlt.engine.driver import PHASE, TRAIN, client_generator
+    from fedlt.engine.driver import client_generator
+    from fedlt.seeds import Purpose
     from fedlt.runner.rundir import federation_for, prepare
 
     over = dict(method=method, params=method_test_params(method), rounds=2, local_epochs=1, clients=4)
@@ -170,16 +171,16 @@ def test_every_method_trains_at_the_lr_its_message_carries(method):
     sa, sb = a.init_server(), b.init_server()
     ca, cb = a.init_client(0, fed.clients[0]), b.init_client(0, fed.clients[0])
     ra, ca = a.local_train(a.configure(sa, 2, 0).with_config({"lr": lr2}), ca, fed.clients[0],
-                           client_generator(0, TRAIN, 2, 0))
-    rb, cb = b.local_train(b.configure(sb, 2, 0), cb, fed.clients[0], client_generator(0, TRAIN, 2, 0))
+                           client_generator(0, Purpose.TRAIN, 2, 0))
+    rb, cb = b.local_train(b.configure(sb, 2, 0), cb, fed.clients[0], client_generator(0, Purpose.TRAIN, 2, 0))
     assert _same(ra.arrays, rb.arrays) and _same(ra.meta, rb.meta) and _same(ca, cb), f"{method}: round 2 reply"
     sa, sb = a.aggregate(sa, 2, [(0, ra)]), b.aggregate(sb, 2, [(0, rb)])
     assert _same(sa, sb), f"{method}: server state after round 2"
     for i, phase in enumerate(a.phases):
         pa = a.phase_configure(phase, sa, 0).with_config({"lr": lr2})
-        ra, ca = a.phase_client(phase, pa, ca, fed.clients[0], client_generator(0, PHASE, i, 0))
+        ra, ca = a.phase_client(phase, pa, ca, fed.clients[0], client_generator(0, Purpose.PHASE, i, 0))
         rb, cb = b.phase_client(phase, b.phase_configure(phase, sb, 0), cb, fed.clients[0],
-                                client_generator(0, PHASE, i, 0))
+                                client_generator(0, Purpose.PHASE, i, 0))
         assert _same(ra.arrays, rb.arrays) and _same(ca, cb), f"{method}: phase {phase}"
         sa, sb = a.phase_aggregate(phase, sa, [(0, ra)]), b.phase_aggregate(phase, sb, [(0, rb)])
         assert _same(sa, sb), f"{method}: server state after phase {phase}"

@@ -39,12 +39,11 @@ from ..core.privacy import sends_check
 from ..core.state import snapshot, tree_of, typed
 from ..decl import reads_settings, settings_values
 from ..errors import ConfigError
+from ..seeds import Purpose
 from ..metrics import headline
 from .faults import Faults, RoundPlan
 from .privacy import Privacy
 
-SAMPLING, TRAIN, PHASE, EVAL_SAMPLE, DP_NOISE = 10, 11, 12, 13, 14
-SECAGG = 15  # a client's stochastic rounding under --secagg (core.secagg): the simulator's and its SuperNode's
 TRAINING = "train"  # the ``kind`` of a training round's exchange; a phase's is its name
 
 
@@ -52,14 +51,14 @@ def sampling_schedule(num_clients: int, per_round: int, rounds: int, seed: int) 
     """The clients of every round, drawn up front (uniformly without replacement within a round)."""
     if not 1 <= per_round <= num_clients:
         raise ConfigError(f"clients per round must be between 1 and {num_clients}, got {per_round}")
-    rng = np.random.default_rng([seed, SAMPLING])
+    rng = np.random.default_rng([seed, Purpose.SAMPLING])
     return [sorted(rng.choice(num_clients, size=per_round, replace=False).tolist()) for _ in range(rounds)]
 
 
 def poisson_schedule(num_clients: int, rate: float, rounds: int, seed: int) -> list[list[int]]:
     """The clients of every round, each one in with probability ``rate`` independently (Poisson sampling: a
     round may have more or fewer clients than ``rate x num_clients``, or none)."""
-    rng = np.random.default_rng([seed, SAMPLING, 1])
+    rng = np.random.default_rng([seed, Purpose.SAMPLING, 1])
     return [np.flatnonzero(rng.random(num_clients) < rate).tolist() for _ in range(rounds)]
 
 
@@ -69,7 +68,7 @@ def eval_sample(num_clients: int, eval_clients: float, seed: int) -> list[int]:
     n = clients_per_round(num_clients, eval_clients, "eval-clients")
     if n == num_clients:
         return list(range(num_clients))
-    return sorted(np.random.default_rng([seed, EVAL_SAMPLE]).choice(num_clients, size=n, replace=False).tolist())
+    return sorted(np.random.default_rng([seed, Purpose.EVAL_SAMPLE]).choice(num_clients, size=n, replace=False).tolist())
 
 
 def is_eval_round(rnd: int, eval_every: int, rounds: int) -> bool:
@@ -77,7 +76,9 @@ def is_eval_round(rnd: int, eval_every: int, rounds: int) -> bool:
     return rnd % eval_every == 0 or rnd == rounds
 
 
-def client_generator(seed: int, purpose: int, rnd: int, cid: int) -> torch.Generator:
+def client_generator(seed: int, purpose: Purpose, rnd: int, cid: int) -> torch.Generator:
+    """A client's generator of one exchange, (seed, purpose: TRAIN or PHASE, round or phase index, client); the
+    global RNG seeded alike."""
     s = derive_seed(seed, purpose, rnd, cid)
     seed_global(s)  # methods that draw from the global RNG stay reproducible too
     return torch.Generator().manual_seed(s)
@@ -316,7 +317,7 @@ class Driver:
                     extra["sim_time"] = sim_time
             # what SecAgg+ hands the server, where the transport does not run it (engine.privacy)
             replies, halted = self.privacy.unmasked(payloads, replies, self.sizes,
-                                                    lambda c: derive_seed(self.cfg.seed, SECAGG, index, c))
+                                                    lambda c: derive_seed(self.cfg.seed, Purpose.SECAGG, index, c))
             why.update(halted)
             extra["arrived"] = len(replies)
         rec = {**extra, "bytes_down_per_client": sum(p.nbytes() for p in payloads.values()) / max(len(cids), 1),
@@ -372,7 +373,7 @@ class Driver:
         replies, comm = self.exchange(TRAINING, rnd, f"round {rnd}", cids, lambda c: m.configure(self.state, rnd, c),
                                       plan)
         # the server's noise on the clipped updates' sum (engine.privacy, core.dp), before the method's mean
-        replies = self.privacy.before_aggregate(replies, lambda key: noise_generator(key, self.cfg.seed, DP_NOISE,
+        replies = self.privacy.before_aggregate(replies, lambda key: noise_generator(key, self.cfg.seed, Purpose.DP_NOISE,
                                                                                      rnd, 0))
         if replies:
             self.state = m.aggregate(self.state, rnd, replies)
