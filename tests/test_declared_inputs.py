@@ -12,11 +12,14 @@ drawn (``pytest -s``) and checks that every declared setting was reached.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
+import functools
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -25,7 +28,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from fedlt.cli import main as cli_main  # noqa: E402
+from fedlt.cli import build_parser, main as cli_main  # noqa: E402
 from fedlt.config import RunConfig  # noqa: E402
 from fedlt.decl import FLOAT32_MAX, INT64, settings_of, was_none  # noqa: E402
 from fedlt.registry import METHODS  # noqa: E402
@@ -152,14 +155,33 @@ def run_cli(argv: list[str], cwd: str | Path) -> tuple[int, str]:
     return int(code), err.getvalue()
 
 
-def refused(kind: str, code: int, stderr: str, tmp: Path, inputs: set[str], *names: str) -> None:
-    """Exit status 2, one line (naming one of ``names`` where given), no traceback, nothing but the ``inputs``
-    in ``tmp``."""
+@functools.cache
+def options_of(command: str) -> frozenset[str]:
+    """The options ``fedlt COMMAND`` takes (its argparse parser's)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return frozenset(o for a in sub.choices[command]._actions for o in a.option_strings)
+
+
+QUOTED = re.compile(r"(?<!\w)'[^']*'(?!\w)|\"[^\"]*\"")  # a value the message repeats (the input): no suggestion
+OPTION = re.compile(r"(?<![\w.-])--[a-z][a-z0-9-]*")
+
+
+def unknown_options(command: str, line: str) -> list[str]:
+    """The ``--options`` a message names (outside the quoted values it repeats) that ``fedlt COMMAND`` does not
+    take: a fix that does not exist."""
+    return [o for o in OPTION.findall(QUOTED.sub("", line)) if o not in options_of(command)]
+
+
+def refused(kind: str, code: int, stderr: str, tmp: Path, inputs: set[str], *names: str, command: str = "run") -> None:
+    """Exit status 2, one line (naming one of ``names`` where given) whose every ``--option`` is one of
+    ``fedlt COMMAND``'s, no traceback, nothing but the ``inputs`` in ``tmp``."""
     DRAWN[kind] = DRAWN.get(kind, 0) + 1
     assert "Traceback" not in stderr, stderr
     lines = [x for x in stderr.splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1, (code, stderr[-2000:])
     assert lines[0].startswith("fedlt"), lines
+    assert not unknown_options(command, lines[0]), (f"suggests {unknown_options(command, lines[0])}, not options "
+                                                     f"of fedlt {command}", lines[0])
     if names:
         assert any(n in lines[0] for n in names), (names, lines[0])
     left = sorted(p.name for p in tmp.iterdir() if p.name not in inputs)
@@ -245,7 +267,7 @@ def test_sweep_file_values_outside_the_declarations_are_one_line_errors(case, wh
             table = f"[base]\n{base}[methods.{json.dumps(owner)}]\nparams = {{ {s.name} = {toml_of(v)} }}\n"
         (t / "grid.toml").write_text(f'seeds = [0]\nout = "{t / "sweep"}"\n{table}')
         code, err = run_cli(["sweep", str(t / "grid.toml"), "--no-report", "--threads", "1"], tmp)
-        refused("sweep", code, err, t, {"grid.toml"}, *labels(owner, s))
+        refused("sweep", code, err, t, {"grid.toml"}, *labels(owner, s), command="sweep")
 
 
 NUM_TRAIN = 1277  # digits' training split (a partition file indexes it)
@@ -351,3 +373,45 @@ def test_a_checkpoint_missing_a_section_is_a_one_line_error_naming_it(tmp_path, 
     with pytest.raises(ConfigError) as e:
         load_checkpoint(tmp_path, {})
     assert drop in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------------------- lines that misled (issue 57)
+MISLED = {  # what a new user typed, and what the line must name: the thing, then a fix that exists
+    "speed file named by nothing": (["--speed-file", ""], ("--speed-file ''", "leave --speed-file out")),
+    "a partitioner that takes no arguments": (
+        ["--partition", "flwr:IidPartitioner", "--set", "partition.bogus=1"],
+        ("'bogus'", "it takes none", "drop partition.bogus")),
+    "clients a partitioner's arguments leave empty": (
+        ["--partition", "flwr:DirichletPartitioner", "--set", "partition.alpha=0.05", "--set",
+         "partition.min_partition_size=0", "--clients", "100"],
+        ("clients got no training sample", "--set partition.KEY=VALUE")),
+}
+
+
+@pytest.mark.parametrize("case", MISLED)
+def test_lines_that_misled_name_the_input_and_a_fix_that_exists(tmp_path, case):
+    """Inputs that were refused with a blank where the name belongs, or a fix that does not exist (an option
+    ``fedlt run`` lacks): one line that names both, every option in it one of ``fedlt run``'s (``refused``)."""
+    argv, says = MISLED[case]
+    code, err = run_cli(["run", *_without(FAST, "--clients"), "--clients", "4", "--out", str(tmp_path / "runs"),
+                         "--name", "r", *argv], tmp_path)
+    refused("misled", code, err, tmp_path, set())
+    assert all(s in err for s in says), (says, err)
+
+
+def test_a_resume_with_other_settings_says_how_to_resume_or_start_anew(tmp_path):
+    """A run that lives in --out, resumed with another setting: the line says to resume with the settings it was
+    written with, or to start a new run under another --name -- not another --out, where there is nothing to
+    resume -- and the --name it suggests starts that run."""
+    from conftest import dies_in_round
+
+    from fedlt.engine.driver import Driver
+
+    argv = ["run", *FAST, "--rounds", "3", "--checkpoint-every", "1", "--out", str(tmp_path / "runs"), "--name", "r"]
+    with dies_in_round(Driver, 2):
+        run_cli(argv, tmp_path)
+    code, err = run_cli([*argv, "--resume", "--lr", "0.2"], tmp_path)
+    line = err.strip()
+    assert code == 2 and "\n" not in line and "other settings (lr" in line, err
+    assert not unknown_options("run", line) and "--name" in line and "another --out" not in line, line
+    assert run_cli([*argv[:-1], "r2", "--lr", "0.2"], tmp_path)[0] == 0  # the fix it names

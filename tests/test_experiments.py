@@ -111,6 +111,20 @@ def test_killed_run_resumes_from_checkpoint_without_duplicate_rounds(tmp_path, m
     assert not any(d.glob("checkpoint*"))
 
 
+def test_a_checkpointed_sweep_run_with_other_settings_names_the_sweeps_fixes(tmp_path):
+    """A sweep's partial run resumed under changed settings: the line names the run and what changed, and the
+    fixes a sweep has (as for a finished run) -- not ``fedlt run``'s --resume or --name, which ``fedlt sweep``
+    does not take."""
+    runs = plan(_tiny_sweep(tmp_path, methods=["fedavg"], rounds=3))
+    with dies_in_round(Simulation, 2):
+        run_plan(runs, checkpoint_every=1, **QUIET)
+    with pytest.raises(ConfigError) as e:
+        run_plan(plan(_tiny_sweep(tmp_path, methods=["fedavg"], rounds=3, lr=0.01)), checkpoint_every=1, **QUIET)
+    line = str(e.value)
+    assert f"checkpointed run {runs[0].dir}" in line and "(lr: " in line and "another sweep directory" in line, line
+    assert "--" not in line, line
+
+
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory):
     """2 methods x 2 settings x 1 seed, finished (shared by the skip, report and figure tests)."""

@@ -358,7 +358,8 @@ def own_test_split(part: np.ndarray, fraction: float, seed: int, client_id: int)
     such users; fedlt keeps every client). Returns (train, test), each in the client's sample order."""
     if fraction <= 0 or len(part) < 2:
         return part, part[:0]
-    train, test = leaf_sample_split(len(part), np.random.default_rng([seed, Purpose.OWN_TEST_SPLIT, client_id]), 1 - fraction)
+    rng = np.random.default_rng([seed, Purpose.OWN_TEST_SPLIT, client_id])
+    train, test = leaf_sample_split(len(part), rng, 1 - fraction)
     return part[train], part[test]
 
 
@@ -368,7 +369,8 @@ def own_test_splits(parts: Ragged, fraction: float, seed: int) -> tuple[Ragged, 
     sizes, offsets = parts.sizes(), parts.offsets
     test = np.zeros(len(parts.flat), bool)
     for k in np.flatnonzero(sizes >= 2):
-        _, t = leaf_sample_split(int(sizes[k]), np.random.default_rng([seed, Purpose.OWN_TEST_SPLIT, int(k)]), 1 - fraction)
+        rng = np.random.default_rng([seed, Purpose.OWN_TEST_SPLIT, int(k)])
+        _, t = leaf_sample_split(int(sizes[k]), rng, 1 - fraction)
         test[offsets[k] + t] = True
     before = np.concatenate([[0], np.cumsum(test)])
     n_test = before[offsets[1:]] - before[offsets[:-1]]
@@ -383,7 +385,8 @@ def check_clients(parts, clients: int, partition: str | None = None) -> None:
         from ..registry import PARTITIONS
 
         read = sorted(set(getattr(PARTITIONS.get(partition), "settings", {}).values())) if partition else []
-        how = {"alpha": "a larger --alpha", "min_client_size": "--min-client-size 1"}
+        how = {"alpha": "a larger --alpha", "min_client_size": "--min-client-size 1",
+               "partition_args": "other partition arguments (--set partition.KEY=VALUE)"}
         advice = [how.get(s, "--" + s.replace("_", "-") + " (another value)") for s in read if s != "balance"]
         raise ConfigError(f"{empty} of {clients} clients got no training sample"
                           + (f" from the {partition} partition" if partition else "") + "; use fewer clients"

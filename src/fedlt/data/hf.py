@@ -247,8 +247,10 @@ def make_partitioner(name: str, cls: type, clients: int, seed: int, args: dict |
             raise ConfigError(f"partition flwr:{name}: the number of partitions is --clients ({clients}); drop "
                               f"partition.num_partitions")
         if k not in params:
-            raise ConfigError(f"partition flwr:{name} has no argument {k!r}; its arguments: "
-                              f"{', '.join(sorted(params - {'num_partitions'}))}")
+            takes = sorted(params - {"num_partitions"})
+            raise ConfigError(f"partition flwr:{name} has no argument {k!r} " + (
+                f"(its arguments: {', '.join(takes)}); drop partition.{k} or correct its name" if takes else
+                f"(it takes none but its number of partitions, which is --clients); drop partition.{k}"))
     signature = inspect.signature(cls.__init__).parameters
     for k, v in kw.items():  # the partitioner's own checks say little of a wrong type ("'>=' not supported")
         kinds = _kinds(signature[k].annotation)

@@ -25,8 +25,9 @@ The model (docs/dropout.md):
   the deadline (the round closes at the ``n``-th reply, or at the deadline). The round's simulated time is that
   of its last aggregated reply, or the deadline where fewer than ``n`` arrived.
 
-Every draw comes from generators of their own, keyed by the run's seed, a purpose (fedlt.seeds.Purpose) and the round: the existing
-sampling stream is untouched, and a resumed run draws what the uninterrupted one drew (nothing to checkpoint).
+Every draw comes from generators of their own, keyed by the run's seed, a purpose (fedlt.seeds.Purpose) and the
+round: the existing sampling stream is untouched, and a resumed run draws what the uninterrupted one drew (nothing to
+checkpoint).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..decl import Relation, check_relations, requires
+from ..decl import Relation, check_relations, requires, show
 from ..errors import ConfigError
 from ..jsonutil import read_json
 from ..seeds import Purpose
@@ -65,6 +66,9 @@ SPEED_RANGE = (1e-6, 1e6)  # a speed file's speeds: a client a million times slo
 
 def read_speeds(path: str, num_clients: int) -> np.ndarray:
     """A speed file: a JSON list of one positive speed per client, or {client id: speed} for every client."""
+    if not str(path).strip():
+        raise ConfigError(f"--speed-file {show(path)} names no file: give the JSON file of the clients' speeds (a "
+                          f"list, one per client, or {{client id: speed}}), or leave --speed-file out")
     doc = read_json(path, f"speed file {path}")
     if isinstance(doc, dict):
         try:

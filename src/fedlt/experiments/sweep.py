@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import RunConfig, available_cores, load_config, name_part, read_toml, worker_count
-from ..decl import show
+from ..decl import settings_of, show
 from ..errors import ConfigError, Diverged
 from ..runner.preempt import DEFAULT_CHECKPOINT_EVERY, Preempted, installed
 
@@ -197,9 +197,33 @@ def plan(sweep: Sweep) -> list[PlannedRun]:
                 try:
                     cfg = load_config(None, merged, typed=set(merged) - set(sweep.over) if sweep.typed else ())
                 except ConfigError as e:
-                    raise ConfigError(f"sweep run {setting}/{label}/seed{seed}: {e}") from None
+                    raise ConfigError(f"sweep run {setting}/{label}/seed{seed}: {in_file_words(str(e))}") from None
                 runs.append(PlannedRun(label, setting, seed, cfg, sweep.out))
     return runs
+
+
+RUN_FLAG = re.compile(r"(?<![\w.-])--([a-z][a-z0-9-]*)(?: ([\w.:-]+))?")
+
+
+def in_file_words(message: str) -> str:
+    """A run's error told of a sweep file: a run setting's command-line option, which ``fedlt sweep`` does not take,
+    named as the file's key (``--allow-large`` -> ``allow_large = true``, ``--dp client`` -> ``dp = "client"``,
+    ``--partition-file FILE.json`` -> ``partition_file = FILE.json``); other text as it is."""
+    table = settings_of(RunConfig)
+
+    def key(m: re.Match) -> str:
+        s, word = table.get(m.group(1).replace("-", "_")), m.group(2)
+        if s is None or not s.decl.cli:
+            return m.group(0)
+        if s.kind is bool and not s.nullable:
+            return f"{s.name} = true" + (f" {word}" if word else "")
+        if word and word in (s.decl.allowed() or ()):
+            return f'{s.name} = "{word}"'
+        if word and (word.split(".")[0].isupper() or re.fullmatch(r"-?[\d.]+(e-?\d+)?", word)):  # FILE.json, 1
+            return f"{s.name} = {word}"
+        return s.name + (f" {word}" if word else "")
+
+    return RUN_FLAG.sub(key, message)
 
 
 def compare_sweep(base: RunConfig, methods: list[str], seeds: list[int], out: str | None = None,
@@ -317,7 +341,7 @@ def _execute(r: PlannedRun, checkpoint_every: int, threads: int | None, progress
     ``line`` (its result for the progress output) and ``diverged``. ``announce(kind)`` is called once the
     run is ours, before it runs."""
     from ..runner.rundir import federation_for, prepare, run
-    from ..runner.runstate import lock_holder, run_lock
+    from ..runner.runstate import OtherSettings, lock_holder, run_lock
 
     with run_lock(r.dir) as mine:
         if not mine:
@@ -339,6 +363,9 @@ def _execute(r: PlannedRun, checkpoint_every: int, threads: int | None, progress
                     checkpoint_every=checkpoint_every, resume=True, labels=r.labels)
         except Diverged as e:
             return {"kind": kind, "line": f"diverged in round {e.round}: {e.reason}", "diverged": True}
+        except OtherSettings as e:  # as a finished run's (check_finished): the sweep's own fixes
+            raise ConfigError(f"checkpointed run {r.dir} was made with other settings "
+                              f"({'; '.join(e.differences[:3])}); delete it or use another sweep directory") from None
         return {"kind": kind, "line": f"done in {s['wall_time']:.1f} s, " + _headline(s), "diverged": False}
 
 

@@ -38,6 +38,17 @@ PREVIOUS = "checkpoint.prev.safetensors"
 NEXT = "checkpoint.next.safetensors"  # a complete checkpoint not yet renamed into place
 FINAL_STATE = "final_state.safetensors"
 LEGACY = ("checkpoint.pt", "final_state.pt")  # fedlt 0.1: pickles, never loaded
+
+
+class OtherSettings(ConfigError):
+    """A checkpoint written with other settings than the run that would resume from it: its line says what
+    ``fedlt run`` can do about it; a sweep, whose runs take no --resume or --name, says its own (``differences``)."""
+
+    def __init__(self, path: Path, run_dir: Path, differences: list[str]):
+        self.differences = differences
+        super().__init__(f"checkpoint {path} was written with other settings ({'; '.join(differences[:3])}); resume "
+                         f"with the settings it was written with, or leave --resume out and give another --name to "
+                         f"start a new run (or delete {run_dir})")
 METRICS = "metrics.jsonl"
 # what may differ between a run and its resumption (where and how it runs, not what it computes): the run
 # settings declared with result=False (fedlt.config.RunConfig), and the engine's own records
@@ -148,8 +159,7 @@ def load_checkpoint(run_dir: Path, config: dict, notes: list[str] | None = None)
         notes.append(f"{errors[0]}; resuming from {path.name} (round {ck['sim']['round']}) instead")
     diff = config_differences(ck.get("config", {}), config)
     if diff:
-        raise ConfigError(f"checkpoint {path} was written with other settings ({'; '.join(diff[:3])}); "
-                          f"delete {run_dir} or write to another --out")
+        raise OtherSettings(path, run_dir, diff)
     _fit_cuda_rng(ck["sim"]["rng"], notes)
     return ck
 
