@@ -366,7 +366,7 @@ def test_the_default_delta_is_far_below_one_over_the_units_and_a_given_one_not_b
     --dp-delta of 1 / K or more is refused in one line; just below it runs."""
     from fedlt.config import RunConfig, validate
     from fedlt.core.dp import default_delta
-    from fedlt.core.dpsgd import sample_delta
+    from fedlt.core.dpsgd_accounts import sample_delta
     from fedlt.errors import ConfigError
 
     for k in (2, 6, 10, 100, 9_999, 10_000, 10**5, 10**7):

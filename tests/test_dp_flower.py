@@ -200,7 +200,9 @@ def test_the_server_keeps_the_accountants_from_what_arrives_and_refuses_a_reply_
     """SampleDP.arrived: the clients' entries continue their ledgers, merged as the step hook merges them (the epsilon of
     one client trained here equals the accountant's of the entries sent); a reply without entries, with other meta,
     or whose entries do not have the rate or noise its size and the run's settings give, is not used, in one line."""
-    from fedlt.core.dpsgd import HISTORY, SampleDP, epsilon_of
+    from fedlt.core.dpsgd import SampleDP
+    from fedlt.core.dpsgd_accounts import epsilon_of
+    from fedlt.core.dpsgd_wire import HISTORY
 
     dp = SampleDP(1.0, 1.0, None, 1e-5, [[0, 1, 2, 3, 4]], lambda: [100] * 5, batch_size=25)  # L = 4
     w = {"a": torch.zeros(3)}

@@ -24,8 +24,8 @@ from dp_accounting import rdp  # noqa: E402
 from opacus.accountants import RDPAccountant  # noqa: E402
 
 from conftest import final_gm, run_small, small_config  # noqa: E402
-from fedlt.core.dpsgd import (SampleDP, batches_per_epoch, epsilon_of, per_sample_grads,  # noqa: E402
-                              sample_noise_multiplier)
+from fedlt.core.dpsgd import SampleDP, per_sample_grads  # noqa: E402
+from fedlt.core.dpsgd_accounts import batches_per_epoch, epsilon_of, sample_noise_multiplier  # noqa: E402
 from fedlt.core.steps import LocalSteps, StepRun, Train, ce, split_loss  # noqa: E402
 from fedlt.runner import rundir  # noqa: E402
 

@@ -169,7 +169,7 @@ DELTA_SHARE = 10  # and at most 1 / (DELTA_SHARE x the units it protects)
 
 def default_delta(units: int) -> float:
     """delta when --dp-delta is not given, for ``units`` protected units (the clients under --dp client; a client's
-    samples under --dp sample, :func:`fedlt.core.dpsgd.sample_delta`): ``min(1e-5, 1 / (10 units))``.
+    samples under --dp sample, :func:`fedlt.core.dpsgd_accounts.sample_delta`): ``min(1e-5, 1 / (10 units))``.
 
     Why: a mechanism that publishes each unit's data outright with probability delta is (0, delta)-DP, so delta
     must be far below ``1 / units`` to mean anything -- ``units x delta`` is the expected number of units such a

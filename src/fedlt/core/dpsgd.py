@@ -19,9 +19,9 @@ A client's local training -- the method's described steps (:class:`fedlt.core.st
   trained tensor) clipped to L2 norm ``C`` (``--dp-clip``), ``N(0, (z C)^2 I)`` added to the batch's sum, divided by
   the expected batch size ``n q``; then the run's SGD step (momentum, weight decay: post-processing);
 - **the accountant**: dp-accounting's ``RdpAccountant`` (the library of ``--dp client``, :mod:`fedlt.core.dp`, one for
-  both levels), one per client: the optimiser's step hook composes every step into the client's ledger
-  ``[(z, q, steps)]`` (:func:`composed`), a ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` per step, converted to
-  epsilon at ``delta`` over :data:`fedlt.core.dp.ORDERS`.
+  both levels), one per client: the optimiser's step hook composes every step into the client's ledger ``[(z, q,
+  steps)]`` (:func:`fedlt.core.dpsgd_accounts.composed`), a ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` per step,
+  converted to epsilon at ``delta`` over :data:`fedlt.core.dp.ORDERS`.
 
 The noise multiplier: ``--dp-noise z`` for every client, or ``--dp-epsilon E``: each client's own ``z_i`` solved by
 dp-accounting's ``calibrate_dp_mechanism`` for its ``q_i`` and its steps over the whole run (its rounds in the sampling
@@ -41,15 +41,14 @@ nothing of the client's other samples (class counts or priors of its data in the
 every other sample's gradient). A subclass that changes a client hook without declaring it again is not covered.
 BatchNorm models are refused (:func:`check_model`): a sample's output there depends on its batch.
 
-On Flower (``fedlt flower``) each SuperNode runs its own client's DP-SGD (:meth:`SampleDP.on_client`, from the
-run's settings and what the train message says: ``delta``, the client's rounds in the schedule, its noise multiplier
-once the server knows it) and sends, beside its model and ``num_examples``, its accountant's new entries
-(:data:`HISTORY`: ``(z_i, q_i, steps)``, which follow from ``n_i`` and the run's settings); the server keeps every
-client's accountant from them (:meth:`SampleWire.arrived`, which checks the rate and noise against the client's size
-and the run's settings), so that the run's epsilons, ``--dp-budget`` and the
-summary's table are the simulator's. The per-sample gradient norms stay on the clients (the record's
-``dp_clipped`` and ``dp_grad_norm`` are None there), and a SuperNode's describe sends its number of samples, no label
-counts.
+On Flower (``fedlt flower``) each SuperNode runs its own client's DP-SGD (:meth:`SampleDP.on_client`, from the run's
+settings and what the train message says: ``delta``, the client's rounds in the schedule, its noise multiplier once the
+server knows it) and sends, beside its model and ``num_examples``, its accountant's new entries
+(:data:`fedlt.core.dpsgd_wire.HISTORY`: ``(z_i, q_i, steps)``, which follow from ``n_i`` and the run's settings); the
+server keeps every client's accountant from them (:meth:`fedlt.core.dpsgd_wire.SampleWire.arrived`, which checks the
+rate and noise against the client's size and the run's settings), so that the run's epsilons, ``--dp-budget`` and the
+summary's table are the simulator's. The per-sample gradient norms stay on the clients (the record's ``dp_clipped`` and
+``dp_grad_norm`` are None there), and a SuperNode's describe sends its number of samples, no label counts.
 
 Not batched: the clients of a round train one after another under ``--dp sample`` (``--client-parallel auto`` falls
 back to that, ``--client-parallel N`` and ``--workers`` are refused); each client's per-sample gradients are
@@ -57,7 +56,6 @@ vectorised over its batch.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -66,15 +64,15 @@ from torch.func import grad_and_value, vmap
 
 from ..errors import ConfigError
 from ..seeds import Purpose
-from .dp import ACCOUNTANTS, calibrated, default_delta, delta_problem, fresh_accountant, gaussian_steps
-from .dp import reads_counts
+from .dp import ACCOUNTANTS, reads_counts
+from .dpsgd_accounts import SampleAccounts, batches_per_epoch, composed, delta_refusal, epsilon_of, sample_delta
+from .dpsgd_wire import SampleWire, phase_replies
 from .noise import NOISE_SEEDS, keyed_seed
 from .privacy import ROUNDS
 from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_loss, stats_of
 from .training import Meter
 
 COUNTS_NOISE = 5.0  # --dp-counts-noise's default: the std, in samples, of the noise on each class count
-HISTORY = "dp_history"  # a client's accountant entries [(z, q, steps)] of one message, sent beside num_examples (Flower)
 WORKING_MODELS = "smallcnn, cnn-mcmahan, vgg11 or mlp"
 
 
@@ -122,10 +120,11 @@ def check_counts_release(cfg, cls, sizes=None) -> None:
 def check_before_run(cfg, cls, sizes, schedule=None, epochs: int = 1) -> None:
     """What ``--dp sample`` can tell before a run writes anything, once the clients' ``sizes`` are known (fedlt run's
     ``prepare``), each a one-line ConfigError: a given ``--dp-delta`` not below ``1 / n`` of the largest client
-    (:func:`delta_refusal`); a ``--dp-epsilon`` the class counts' release alone spends (:func:`check_counts_release`);
-    and with the run's sampling ``schedule`` (``epochs``: a round's epochs, ``Method.dp_round_epochs``) a noise that
-    no client can train under -- even the client with the largest expected batch ``n q`` gets noise of std ``z C /
-    (n q)`` on its averaged step gradient above the clip ``C`` -- and a ``--dp-budget`` that the first round passes."""
+    (:func:`fedlt.core.dpsgd_accounts.delta_refusal`); a ``--dp-epsilon`` the class counts' release alone spends
+    (:func:`check_counts_release`); and with the run's sampling ``schedule`` (``epochs``: a round's epochs,
+    ``Method.dp_round_epochs``) a noise that no client can train under -- even the client with the largest expected
+    batch ``n q`` gets noise of std ``z C / (n q)`` on its averaged step gradient above the clip ``C`` -- and a
+    ``--dp-budget`` that the first round passes."""
     if cfg.dp != "sample":
         return
     sizes = np.asarray(sizes)
@@ -174,90 +173,16 @@ def check_model(model: torch.nn.Module, name: str) -> None:
                           f"cannot bound; use --model {WORKING_MODELS}")
 
 
-def sample_delta(sizes) -> float:
-    """delta when --dp-delta is not given: :func:`fedlt.core.dp.default_delta` of ``n_max`` (the largest client's
-    samples: under --dp sample the unit is a sample, and each client's guarantee is over its own ``n_i``), so
-    ``min(1e-5, 1 / (10 n_max))``, below ``1 / (10 n_i)`` for every client."""
-    return default_delta(int(max(sizes)))
-
-
-def delta_refusal(delta: float, sizes) -> str | None:
-    """Why a given --dp-delta is too weak for some client: not below ``1 / n_i`` for the client with the most
-    samples (the unit is a sample; :func:`fedlt.core.dp.delta_problem`), or None."""
-    sizes = np.asarray(sizes)
-    if not len(sizes):
-        return None
-    big = int(np.argmax(sizes))
-    return delta_problem(float(delta), int(sizes[big]), "sample", f"the samples of client {big}, the largest; --dp "
-                         f"sample protects each sample")
-
-
 def unamplified_words(table: dict) -> str:
     """The privacy line's words for the clients of a ``--dp sample`` run's table (:meth:`SampleDP.table`) that had no
-    amplification by sampling (their samples make one batch an epoch, :func:`batches_per_epoch`: sampling rate 1,
-    every sample in every step), or "" where none."""
+    amplification by sampling (their samples make one batch an epoch,
+    :func:`fedlt.core.dpsgd_accounts.batches_per_epoch`: sampling rate 1, every sample in every step), or "" where
+    none."""
     none = table.get("unamplified") or []
     if not none:
         return ""
     return (f"{len(none)} of {len(table['clients'])} clients without amplification by sampling (one batch of "
             f"--batch-size an epoch: sampling rate 1)")
-
-
-def batches_per_epoch(n: int, batch_size: int) -> int:
-    """L: the batches of one of fedlt's epochs over ``n`` samples (``len(data_loader)`` for opacus)."""
-    from ..data.federated import batch_bounds
-
-    return max(1, len(batch_bounds(n, batch_size)))
-
-
-def composed(history: list, entries) -> list:
-    """A client's ledger ``history`` (``[(noise multiplier, sample rate, steps)]``, what its accountant composes:
-    :func:`fedlt.core.dp.gaussian_steps`) with ``entries`` composed after it, an entry with the last one's noise
-    multiplier and sample rate adding its steps to it (the ledger stays a few entries long: the optimiser's step
-    hook composes every step, :meth:`DPSGD.run_steps`)."""
-    out = [tuple(h) for h in history]
-    for z, q, n in entries:
-        if out and out[-1][:2] == (z, q):
-            out[-1] = (z, q, out[-1][2] + n)
-        else:
-            out.append((z, q, n))
-    return out
-
-
-def entries_of(cid: int, meta: dict) -> list | str:
-    """The accountant entries a client's reply carries (:data:`HISTORY`), or why they are not usable."""
-    raw = meta.get(HISTORY)
-    if not isinstance(raw, list) or not all(isinstance(e, (list, tuple)) and len(e) == 3 for e in raw):
-        return (f"client {cid} sent no DP-SGD accountant entries ({HISTORY}): its SuperNode trained without "
-                f"DP-SGD or runs another fedlt")
-    entries = [(float(z), float(q), int(n)) for z, q, n in raw]
-    if any(not (z >= 0 and 0 < q <= 1 and n >= 0) for z, q, n in entries):
-        return f"client {cid} sent accountant entries outside their ranges (noise >= 0, 0 < rate <= 1, steps >= 0)"
-    return entries
-
-
-@functools.lru_cache(maxsize=4096)
-def epsilon_of(history: tuple, delta: float) -> float:
-    """The epsilon at ``delta`` of a history of ``(noise_multiplier, sample_rate, steps)``: dp-accounting's
-    RdpAccountant, as ``--dp client``'s (:func:`fedlt.core.dp.fresh_accountant`)."""
-    return float(fresh_accountant("rdp").compose(gaussian_steps(history)).get_epsilon(delta))
-
-
-@functools.lru_cache(maxsize=4096)
-def sample_noise_multiplier(target: float, rate: float, steps: int, delta: float, prefix: tuple = ()) -> float:
-    """The smallest noise multiplier whose epsilon after ``steps`` steps at ``rate`` is at most ``target``
-    (dp-accounting's ``calibrate_dp_mechanism``, :func:`fedlt.core.dp.calibrated`), after ``prefix``: accountant
-    entries before the steps (the class counts' release, :meth:`SampleAccounts.prefix`); a budget it cannot meet
-    is one line."""
-    prefix = tuple(map(tuple, prefix))
-    if prefix and (alone := epsilon_of(prefix, delta)) >= target:
-        raise ConfigError(f"--dp-epsilon {target:g}: the class counts' release alone spends {alone:.3g} "
-                          f"(--dp-counts-noise {prefix[0][0]:g}); raise --dp-epsilon or --dp-counts-noise")
-    z = calibrated(target, delta, lambda z: [*prefix, (z, rate, steps)])
-    if z is None:
-        raise ConfigError(f"--dp-epsilon {target:g} cannot be met in {steps} DP-SGD steps at sampling rate "
-                          f"{rate:.3g}: raise it, or train fewer rounds or local epochs")
-    return z
 
 
 def per_sample_grads(method, steps: LocalSteps, run: StepRun, part_names: list[str]) -> Callable:
@@ -281,163 +206,11 @@ def per_sample_grads(method, steps: LocalSteps, run: StepRun, part_names: list[s
     return vmap(grad_and_value(one, has_aux=True), in_dims=(None, 0, 0), randomness="different")
 
 
-def phase_replies(phase: str, replies: list) -> list:
-    """A post-training phase's replies as their clients send them under DP-SGD: ``num_examples`` only (what such a
-    phase may send is its size and statistics, :func:`fedlt.core.dp.unprotected`)."""
-    from .method import Message
-
-    for cid, reply in replies:
-        if reply.arrays:
-            raise ConfigError(f"--dp sample: client {cid} sends {', '.join(sorted(reply.arrays)[:3])} in phase "
-                              f"{phase}, which DP-SGD did not train; this method cannot run under --dp sample")
-    return [(cid, Message({}, {k: r.meta[k] for k in ("num_examples",) if k in r.meta})) for cid, r in replies]
-
-
-class SampleAccounts:
-    """Every client's sample-level accountant (``--dp sample``'s registry of them): its history of Poisson-sampled
-    Gaussian steps ``[(z, q, steps)]`` (:func:`epsilon_of`), its noise multiplier (``--dp-noise``, or solved for
-    ``--dp-epsilon`` over its steps in the run), its sampling rate and steps a round; the run's delta, and
-    ``--dp-budget``'s foresight. The trainer (:class:`DPSGD`) composes into it, and so does the server from a
-    SuperNode's entries (:class:`SampleWire`)."""
-
-    def __init__(self, noise: float | None, target: float | None, delta: float | None, schedule: list[list[int]],
-                 sizes: Callable[[], Any], budget: float | None = None, batch_size: int = 32, local_epochs: int = 1,
-                 counts_noise: float | None = None):
-        self.noise, self.target, self._delta = noise, target, delta
-        self._delta_checked = False  # a given delta against the clients' sizes (:attr:`delta`)
-        # a method whose loss reads the client's class counts (reads_counts): their noise's std (--dp-counts-noise)
-        self.counts_noise = None if counts_noise is None else float(counts_noise)
-        self.counted: set[int] = set()  # a SuperNode's client whose counts' release the server has counted
-        # --dp-budget: the round whose clients' epsilons it would pass is not run (:meth:`over_budget`)
-        self.budget, self.schedule, self.batch_size, self.local_epochs = budget, schedule, batch_size, local_epochs
-        self.steps_of: dict[int, int] = {}  # each client's steps in a round it trains (known once it has)
-        self.rounds_of: dict[int, int] = {}  # each client's rounds in the sampling schedule (--dp-epsilon)
-        for cids in schedule:
-            for c in cids:
-                self.rounds_of[c] = self.rounds_of.get(c, 0) + 1
-        self.sizes = sizes  # () -> every client's number of samples (read when first needed)
-        self.histories: dict[int, list] = {}  # each client's accountant history [(z, q, steps)]
-        self.noises: dict[int, float] = {}
-        self.rates: dict[int, float] = {}
-
-    @property
-    def delta(self) -> float:
-        """--dp-delta, or the default for the clients' sizes; a given one not below ``1 / n`` of the largest client is
-        one line (:func:`delta_refusal`: fedlt run says it before the run, Flower's server once its clients have
-        said their sizes)."""
-        if self._delta is None:
-            self._delta = sample_delta(np.asarray(self.sizes()))
-        elif not self._delta_checked:
-            if why := delta_refusal(self._delta, self.sizes()):
-                raise ConfigError(why)
-            self._delta_checked = True
-        return float(self._delta)
-
-    def prefix(self) -> tuple:
-        """The accountant entry of a client's class counts' release, which begins its history (a method whose loss
-        reads them, :func:`reads_counts`): the Gaussian mechanism of std ``counts_noise`` on a histogram that one
-        sample changes by 1 in one class (L2 sensitivity 1), i.e. noise multiplier ``counts_noise``, sampling rate 1,
-        one step; else nothing."""
-        return () if self.counts_noise is None else ((self.counts_noise, 1.0, 1),)
-
-    def history_of(self, cid: int) -> list:
-        """Client ``cid``'s accountant history before its next steps: what it has, else the counts' release
-        (:meth:`prefix`) unless counted already (a SuperNode's, ``dp-counted``)."""
-        if cid in self.histories:
-            return list(self.histories[cid])
-        return [] if cid in self.counted else list(self.prefix())
-
-    def noise_of(self, cid: int, rate: float, per_round: int, keep: bool = True) -> float:
-        """Client ``cid``'s noise multiplier: --dp-noise, or solved for --dp-epsilon over its steps in the run (kept
-        once it trains; ``keep`` False: only asked, --dp-budget's foresight)."""
-        if cid in self.noises:
-            return self.noises[cid]
-        z = float(self.noise) if self.noise is not None else \
-            sample_noise_multiplier(float(self.target), rate, per_round * max(1, self.rounds_of.get(cid, 1)),
-                                    self.delta, self.prefix())
-        if keep:
-            self.noises[cid] = z
-        return z
-
-    def trained(self, cid: int, ledger: list, rate: float) -> None:
-        """Client ``cid``'s history after it trained here (:meth:`DPSGD.run_steps`) at sampling rate ``rate``."""
-        self.histories[cid], self.rates[cid] = ledger, rate
-
-    def received(self, cid: int, entries: list) -> None:
-        """Client ``cid``'s accountant entries of one message, sent by its SuperNode (:meth:`SampleWire.arrived`),
-        composed into its history."""
-        self.histories[cid] = composed(self.histories.get(cid, []), entries)
-        self.noises[cid], self.rates[cid] = entries[-1][0], entries[-1][1]
-        self.steps_of[cid] = sum(n for _, _, n in entries)
-
-    def client_epsilon(self, cid: int) -> float:
-        h = self.histories.get(cid)
-        return epsilon_of(tuple(map(tuple, h)), self.delta) if h else 0.0
-
-    def worst(self) -> tuple[int | None, float]:
-        """The client with the largest epsilon so far, and its epsilon (None, 0 before any step)."""
-        eps = {c: self.client_epsilon(c) for c in self.histories}
-        if not eps:
-            return None, 0.0
-        c = max(eps, key=lambda k: (eps[k], -k))
-        return c, eps[c]
-
-    def round_epsilon(self, rnd: int) -> tuple[int | None, float]:
-        """The client of round ``rnd`` whose epsilon would be the largest after it, and that epsilon (None, 0 for a
-        round past the schedule). A client's steps in a round are fixed (``L`` Poisson batches an epoch): the epochs
-        its method's steps ran before, else the run's local epochs; its noise as :meth:`DPSGD.run_steps` would take
-        it."""
-        if rnd > len(self.schedule):
-            return None, 0.0
-        sizes = np.asarray(self.sizes())
-        worst, eps = None, 0.0
-        for c in self.schedule[rnd - 1]:
-            L = batches_per_epoch(int(sizes[c]), self.batch_size)
-            steps = self.steps_of.get(c, self.local_epochs * L)
-            z = self.noise_of(c, 1.0 / L, steps, keep=False)
-            e = epsilon_of(tuple(map(tuple, self.history_of(c))) + ((z, 1.0 / L, steps),), self.delta)
-            if e > eps:
-                worst, eps = c, e
-        return worst, eps
-
-    def over_budget(self, rnd: int) -> str | None:
-        """Why round ``rnd`` may not run (a client it samples would end it with an epsilon past --dp-budget), or
-        None (:meth:`round_epsilon`)."""
-        if self.budget is None:
-            return None
-        worst, eps = self.round_epsilon(rnd)
-        if eps <= self.budget:
-            return None
-        return (f"stopped before round {rnd}: client {worst}'s epsilon would reach {eps:.3g} in it, past --dp-budget "
-                f"{self.budget:g} (the worst client's after round {rnd - 1}: {self.worst()[1]:.3g})")
-
-    def clients(self) -> dict:
-        """summary.json's row of every client with a history: its accountant's inputs and epsilon."""
-        sizes = np.asarray(self.sizes())
-        return {c: {"samples": int(sizes[c]), "sample_rate": self.rates[c],
-                    "noise_multiplier": self.noises[c],  # DP-SGD's steps (not the counts' release)
-                    "steps": int(sum(h[2] for h in self.histories[c])) - len(self.prefix()),
-                    "history": [list(h) for h in self.histories[c]], "epsilon": self.client_epsilon(c)}
-                for c in sorted(self.histories)}
-
-    def state_dict(self) -> dict:
-        """Every client's accountant history, noise multiplier, sampling rate and steps a round (--dp-budget's
-        foresight)."""
-        return {"histories": {c: [list(h) for h in v] for c, v in self.histories.items()},
-                "noises": dict(self.noises), "rates": dict(self.rates), "steps": dict(self.steps_of)}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.histories = {int(c): [tuple(h) for h in v] for c, v in d.get("histories", {}).items()}
-        self.noises = {int(c): float(v) for c, v in d.get("noises", {}).items()}
-        self.rates = {int(c): float(v) for c, v in d.get("rates", {}).items()}
-        self.steps_of = {int(c): int(v) for c, v in d.get("steps", {}).items()}
-
-
 class DPSGD:
-    """DP-SGD for a client's described steps (the module doc), the :class:`fedlt.core.steps.StepRunner` of
-    ``--dp sample``: Poisson batches, per-sample gradients, opacus's DPOptimizer around the run's SGD, its step hook
-    composing every step into the client's accountant (``accounts``: :class:`SampleAccounts`); the class counts a
-    loss reads, noised once (:meth:`client_data`). ``key``: the clients' noise key (``--dp-noise-seed secret``;
+    """DP-SGD for a client's described steps (the module doc), the :class:`fedlt.core.steps.StepRunner` of ``--dp
+    sample``: Poisson batches, per-sample gradients, opacus's DPOptimizer around the run's SGD, its step hook composing
+    every step into the client's accountant (``accounts``: :class:`fedlt.core.dpsgd_accounts.SampleAccounts`); the class
+    counts a loss reads, noised once (:meth:`client_data`). ``key``: the clients' noise key (``--dp-noise-seed secret``;
     None: from the run's ``seed``)."""
 
     per_sample = True
@@ -526,90 +299,13 @@ class DPSGD:
         means = meter.mean() if meter.steps else [0.0] * (1 + len(part_names))
         return run.trained(stats_of(part_names, means, done))
 
-class SampleWire:
-    """``--dp sample``'s Flower wire protocol: what a message tells a SuperNode's DP-SGD (:meth:`control`, read by
-    :meth:`SampleDP.on_client`), what its reply carries as it leaves (:meth:`client_reply`: the model, its size, the
-    riders and its accountant's entries of this message, :data:`HISTORY`), and the server's check of those entries
-    against the client's size and the run's settings (:meth:`arrived`), into the client's accountant (``accounts``).
-    ``keep``: the meta a round's reply keeps (``num_examples`` and the method's :func:`riders`)."""
-
-    def __init__(self, accounts: SampleAccounts, keep: tuple[str, ...]):
-        self.accounts, self.keep = accounts, keep
-
-    def kept(self, phase: str | None = None) -> tuple[str, ...]:
-        """The meta a reply keeps as it leaves: in a round, ``num_examples`` and the riders; in a phase, its size."""
-        return self.keep if phase is None else ("num_examples",)
-
-    def control(self, cid: int) -> dict:
-        """What a message to client ``cid`` says for its DP-SGD on a SuperNode (:meth:`SampleDP.on_client`)."""
-        a = self.accounts
-        out = {"dp-delta": a.delta, "dp-rounds": a.rounds_of.get(cid, 1),
-               **({"dp-counted": 1} if a.counts_noise is not None and cid in a.histories else {})}
-        return {**out, "dp-noise": a.noises[cid]} if cid in a.noises else out
-
-    def client_reply(self, cid: int, reply, phase: str | None = None):
-        """A SuperNode's reply as it leaves under --dp sample: the model DP-SGD trained (a phase's: no arrays), its
-        ``num_examples`` and the accountant entries of this message (:data:`HISTORY`); nothing else."""
-        from .method import Message
-
-        if phase is not None:
-            reply = phase_replies(phase, [(cid, reply)])[0][1]
-        keep = {k: reply.meta[k] for k in self.kept(phase) if k in reply.meta}
-        return Message(reply.arrays, {**keep, HISTORY: [list(h) for h in self.accounts.histories.get(int(cid), [])]})
-
-    def arrived(self, replies: list, phase: str | None = None) -> tuple[list, dict[int, str]]:
-        """The replies of clients that trained by DP-SGD themselves (:meth:`client_reply`): each one's accountant
-        entries added to its accountant here; a reply without usable entries, or with other meta, is not used and
-        says why."""
-        out, why = [], {}
-        for cid, reply in replies:
-            entries = entries_of(cid, reply.meta)
-            extra = sorted(set(reply.meta) - {*self.kept(phase), HISTORY})
-            if isinstance(entries, str):
-                why[cid] = entries
-            elif extra:
-                why[cid] = f"client {cid} sent {', '.join(extra)} beside its model, which DP-SGD does not cover"
-            elif entries and (wrong := self.disagrees(cid, entries)):
-                why[cid] = wrong
-            if cid in why:
-                continue
-            if entries:
-                self.accounts.received(cid, entries)
-            out.append((cid, reply))
-        return out, why
-
-    def disagrees(self, cid: int, entries: list) -> str | None:
-        """Why a client's accountant entries of one message are not what its size and the run's settings give (its
-        sampling rate ``1 / L``, whole epochs of ``L`` steps, the noise multiplier :meth:`SampleAccounts.noise_of`
-        gives for them;
-        first, where the method's loss reads class counts and the client has no history here, their release,
-        :meth:`SampleAccounts.prefix`), or None: the accountant takes no sampling rate or noise on a client's word."""
-        a = self.accounts
-        L = batches_per_epoch(int(np.asarray(a.sizes())[cid]), a.batch_size)
-        rest = list(entries)
-        if a.prefix() and cid not in a.histories:
-            z0, q0, _ = a.prefix()[0]
-            if not rest or (rest[0][0], rest[0][1]) != (z0, q0):
-                return (f"client {cid}'s accountant entries {entries} do not begin with the release of its class "
-                        f"counts ({z0:g}, {q0:g}, 1): its SuperNode runs another fedlt or other settings")
-            # the release, then the steps (the ledger merges steps of the same noise and rate into one entry)
-            rest = ([(z0, q0, rest[0][2] - 1)] if rest[0][2] > 1 else []) + rest[1:]
-        steps = sum(n for _, _, n in rest)
-        if any(q != 1.0 / L for _, q, _ in rest) or steps % L:
-            return (f"client {cid}'s accountant entries {entries} do not sample at 1/{L} in whole epochs of {L} steps, "
-                    f"as its size gives: its SuperNode runs another fedlt or other settings")
-        z = a.noise_of(cid, 1.0 / L, steps, keep=False) if steps else None
-        if any(e[0] != z for e in rest):
-            return (f"client {cid}'s accountant entries {entries} do not have the noise multiplier {z:g} its size and "
-                    f"the run's settings give: its SuperNode runs another fedlt or other settings")
-        return None
 
 class SampleDP:
     """The run's sample-level DP (``--dp sample``), a :class:`fedlt.core.privacy.PrivacyMechanism`: each client's
-    accountant (``accounts``, :class:`SampleAccounts`), the DP-SGD its described steps run by (``trainer``,
-    :class:`DPSGD`, the step runner the engine gives the method), the Flower wire protocol (``wire``,
-    :class:`SampleWire`), and what the driver asks of a mechanism (the replies as they leave, the round's record,
-    the checkpoint, the summary's table)."""
+    accountant (``accounts``, :class:`fedlt.core.dpsgd_accounts.SampleAccounts`), the DP-SGD its described steps run by
+    (``trainer``, :class:`DPSGD`, the step runner the engine gives the method), the Flower wire protocol (``wire``,
+    :class:`fedlt.core.dpsgd_wire.SampleWire`), and what the driver asks of a mechanism (the replies as they leave, the
+    round's record, the checkpoint, the summary's table)."""
 
     def __init__(self, clip: float, noise: float | None, target: float | None, delta: float | None,
                  schedule: list[list[int]], sizes: Callable[[], Any], budget: float | None = None,
@@ -676,12 +372,13 @@ class SampleDP:
         return [(cid, Message(r.arrays, {k: r.meta[k] for k in keep if k in r.meta})) for cid, r in replies]
 
     def phase_side(self, phase: str, replies: list) -> list:
-        """A post-training phase's replies: ``num_examples`` only (:func:`phase_replies`)."""
+        """A post-training phase's replies: ``num_examples`` only (:func:`fedlt.core.dpsgd_wire.phase_replies`)."""
         return phase_replies(phase, replies)
 
     def arrived(self, payloads: dict, replies: list, phase: str | None = None) -> tuple[list, dict[int, str]]:
         """The replies of clients that trained by DP-SGD themselves (Flower's SuperNodes): checked and counted
-        (:meth:`SampleWire.arrived`), then as :meth:`client_side` (a phase's: :meth:`phase_side`) gives them."""
+        (:meth:`fedlt.core.dpsgd_wire.SampleWire.arrived`), then as :meth:`client_side` (a phase's: :meth:`phase_side`)
+        gives them."""
         self.remote = True
         out, why = self.wire.arrived(replies, phase)
         return (self.client_side(payloads, out) if phase is None else self.phase_side(phase, out)), why
@@ -710,7 +407,8 @@ class SampleDP:
                 "dp_grad_norm": float(norms.median()) if len(norms) else None}
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: every client's accountant (:meth:`SampleAccounts.state_dict`) and the noise key."""
+        """What a checkpoint keeps: every client's accountant
+        (:meth:`fedlt.core.dpsgd_accounts.SampleAccounts.state_dict`) and the noise key."""
         return {**self.accounts.state_dict(), **({} if self.key is None else {"key": self.key})}
 
     def load_state_dict(self, d: dict) -> None:
@@ -720,7 +418,7 @@ class SampleDP:
 
     def table(self, rounds: int) -> dict:
         """summary.json's ``dp``: the worst client's epsilon, and every client's accountant inputs, to recompute
-        each with dp-accounting (:func:`epsilon_of`)."""
+        each with dp-accounting (:func:`fedlt.core.dpsgd_accounts.epsilon_of`)."""
         from importlib.metadata import version
 
         opacus = import_opacus().__version__

@@ -64,7 +64,7 @@ from ..core import Message, Method, load_weights, make_optimizer, weights_of
 from ..core.losses import masked_logits
 from ..core.retrain import local_features
 from ..core.sampling import class_balanced_batches
-from ..core.dpsgd import batches_per_epoch
+from ..core.dpsgd_accounts import batches_per_epoch
 from ..core.steps import LocalSteps, strip
 from ..core.training import Meter
 from ..decl import setting
