@@ -25,10 +25,16 @@ from fedlt.runner.rundir import federation_for, prepare
 D, C = 16, 10  # the tiny ViT's feature width; digits' classes
 
 
-def _method(**params):
-    cfg = small_config(method="ggeur", clients=4, participation=1.0, rounds=3, params=params)
+_FED: dict = {}
+
+
+def _method(params=None, **over):
+    cfg = small_config(**{"method": "ggeur", "clients": 4, "participation": 1.0, "rounds": 3, "params": params or {},
+                          **over})
     validate(cfg)
-    return prepare(cfg, federation_for(cfg)).method
+    if "fed" not in _FED:
+        _FED["fed"] = federation_for(cfg)
+    return prepare(cfg, _FED["fed"]).method
 
 
 def _client(cid, x, y):
@@ -163,3 +169,37 @@ def test_it_learns_a_long_tailed_problem_on_frozen_features_in_a_few_rounds():
         acc = (pred.head(pred.backbone(test_x)).argmax(1) == test_y).float()
     per_class = acc.view(C, -1).mean(1)
     assert acc.mean() > 0.5 and per_class[-3:].mean() > 0.2, per_class  # chance: 0.1
+
+
+def test_one_local_round_matches_the_released_client_under_its_options():
+    """``FL_MLP.py``'s ``train_on_client``, written out from its lines: ``MyNet`` (Linear, then softmax), torch's
+    CrossEntropyLoss on that output, SGD lr 0.001 momentum 0.9, one epoch of batches of 32 -- in fedlt's batch order
+    (the same permutation), from the same weights, on a client with nothing to add (target below its counts):
+    ``softmax_output=true`` gives its classifier to float precision; the default (CE on the logits) does not."""
+    data, _, _ = _synthetic(seed=2)
+    dk = data[1]
+    out = {}
+    for soft in (True, False):
+        m = _method({"softmax_output": soft, "target": 1}, rounds=1, lr=0.001, momentum=0.9, local_epochs=1,
+                    batch_size=32)
+        state = m.init_server()
+        reply, _ = m.local_train(m.configure(state, 1, 1).with_config({"lr": 0.001}), {}, dk,
+                                 torch.Generator().manual_seed(7))
+        out[soft] = reply.arrays
+    W0, b0 = (state.weights[k].clone().requires_grad_(True) for k in ("head.weight", "head.bias"))
+    opt = torch.optim.SGD([W0, b0], lr=0.001, momentum=0.9)
+    order = torch.randperm(len(dk), generator=torch.Generator().manual_seed(7))  # fedlt's epoch order
+    x, y = dk.x[order], dk.y[order]
+    for s in range(0, len(y), 32):
+        xb, yb = x[s:s + 32], y[s:s + 32]
+        if len(xb) == 1:  # fedlt folds a last batch of one sample into the one before
+            continue
+        if len(y) - s - 32 == 1:
+            xb, yb = x[s:], y[s:]
+        opt.zero_grad()
+        outputs = torch.softmax(xb @ W0.T + b0, dim=1)  # MyNet.forward
+        torch.nn.CrossEntropyLoss()(outputs, yb).backward()
+        opt.step()
+    assert torch.allclose(out[True]["head.weight"], W0.detach(), atol=1e-6)
+    assert torch.allclose(out[True]["head.bias"], b0.detach(), atol=1e-6)
+    assert (out[False]["head.weight"] - W0.detach()).abs().max() > 1e-4
