@@ -166,20 +166,21 @@ def test_every_method_trains_at_the_lr_its_message_carries(method):
     lr2 = lr_at(cfg_a, 2)
     cfg_b = small_config(lr=lr2, **over)
     fed = _FED.setdefault("fed", federation_for(cfg_a))
-    a, b = prepare(cfg_a, fed).method, prepare(cfg_b, fed).method
+    pa = prepare(cfg_a, fed)
+    a, b, data = pa.method, prepare(cfg_b, fed).method, pa.fed.clients[0]  # (--finetune head: the features)
     assert a.spec.lr != b.spec.lr
     sa, sb = a.init_server(), b.init_server()
-    ca, cb = a.init_client(0, fed.clients[0]), b.init_client(0, fed.clients[0])
-    ra, ca = a.local_train(a.configure(sa, 2, 0).with_config({"lr": lr2}), ca, fed.clients[0],
+    ca, cb = a.init_client(0, data), b.init_client(0, data)
+    ra, ca = a.local_train(a.configure(sa, 2, 0).with_config({"lr": lr2}), ca, data,
                            client_generator(0, Purpose.TRAIN, 2, 0))
-    rb, cb = b.local_train(b.configure(sb, 2, 0), cb, fed.clients[0], client_generator(0, Purpose.TRAIN, 2, 0))
+    rb, cb = b.local_train(b.configure(sb, 2, 0), cb, data, client_generator(0, Purpose.TRAIN, 2, 0))
     assert _same(ra.arrays, rb.arrays) and _same(ra.meta, rb.meta) and _same(ca, cb), f"{method}: round 2 reply"
     sa, sb = a.aggregate(sa, 2, [(0, ra)]), b.aggregate(sb, 2, [(0, rb)])
     assert _same(sa, sb), f"{method}: server state after round 2"
     for i, phase in enumerate(a.phases):
-        pa = a.phase_configure(phase, sa, 0).with_config({"lr": lr2})
-        ra, ca = a.phase_client(phase, pa, ca, fed.clients[0], client_generator(0, Purpose.PHASE, i, 0))
-        rb, cb = b.phase_client(phase, b.phase_configure(phase, sb, 0), cb, fed.clients[0],
+        pp = a.phase_configure(phase, sa, 0).with_config({"lr": lr2})
+        ra, ca = a.phase_client(phase, pp, ca, data, client_generator(0, Purpose.PHASE, i, 0))
+        rb, cb = b.phase_client(phase, b.phase_configure(phase, sb, 0), cb, data,
                                 client_generator(0, Purpose.PHASE, i, 0))
         assert _same(ra.arrays, rb.arrays) and _same(ca, cb), f"{method}: phase {phase}"
         sa, sb = a.phase_aggregate(phase, sa, [(0, ra)]), b.phase_aggregate(phase, sb, [(0, rb)])

@@ -109,15 +109,19 @@ def finetune_refusal(cls, mode: str) -> str:
 
 
 def relations(method_of: Callable[[Any], type]) -> list[Relation]:
-    """The relations of the settings declared here that their declarations (``only_with``) do not make: under head
-    or lora, a method refused where it declares a need the mode cannot meet (``method_of(c)``: the configuration's
-    method class)."""
+    """The relations of the settings declared here that their declarations (``only_with``) do not make: a method
+    refused under a mode where it declares a need the mode cannot meet (``method_of(c)``: the configuration's
+    method class), the modes it runs under named."""
+    def modes(c) -> str:
+        return " or ".join(m for m in ("lora", "full", "head") if not finetune_refusal(method_of(c), m))
+
     return [
         requires("finetune", lambda c: not finetune_refusal(method_of(c), c.finetune),
                  lambda c: f"--finetune {c.finetune}: method {c.method} {finetune_refusal(method_of(c), c.finetune)}; "
-                           f"choose --finetune {'lora or full' if c.finetune == 'head' else 'full'} or another method",
-                 when=lambda c: c.finetune != "full", others=("method",),
-                 bad=({"finetune": "head", "method": "fedbabu"}, {"finetune": "lora", "method": "fedgpa"})),
+                           f"choose --finetune {modes(c)} or another method",
+                 when=lambda c: True, others=("method",),
+                 bad=({"finetune": "head", "method": "fedbabu"}, {"finetune": "lora", "method": "fedgpa"},
+                      {"finetune": "full", "method": "ggeur"})),
     ]
 
 

@@ -72,12 +72,10 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, Method, ce_loss, load_weights, train_local, weights_of
-from ..core.finetune import finetune_refusal
 from ..core.privacy import MODEL, sent
 from ..core.retrain import class_statistics, local_features
 from ..data.federated import ClientData
 from ..decl import setting
-from ..errors import ConfigError
 from ..registry import METHODS
 
 SCALES = ("paper", "official")
@@ -120,7 +118,7 @@ def generate(anchors: torch.Tensor, lam: torch.Tensor, vec: torch.Tensor, m: int
 
 @METHODS.register("ggeur")
 class GGEUR(Method):
-    # --finetune full / lora: refused (core.finetune.NEEDS); --dp: its class statistics are not covered (declared
+    # --finetune full / lora: refused by the run's settings (core.finetune.NEEDS); --dp: its class statistics are not covered (declared
     # below, refused by their category); --secagg: the server reads each client's statistics, not a mean
     finetune_needs = {"frozen": "the per-class covariances of the clients' features, fitted once"}
     dp_sample = False
@@ -134,12 +132,6 @@ class GGEUR(Method):
                                       "sqrt(lambda_j): N(x, Sigma))", choices=SCALES)
         softmax_output: bool = setting(False, "official: CE on softmax(logits) (MyNet's output), a second softmax")
         stats_round: bool = setting(False, "round 1 only gathers the statistics (nobody trains)")
-
-    def __init__(self, spec, params=None):
-        super().__init__(spec, params)
-        if spec.finetune == "full":  # (lora: refused by the run's settings, core.finetune.NEEDS)
-            raise ConfigError(f"--finetune full: method {self.name} {finetune_refusal(type(self), 'full')}; choose "
-                              f"--finetune head (with a pre-trained --model) or another method")
 
     @dataclass
     class State(Method.State):
