@@ -10,7 +10,7 @@ features go stale with every step; from-scratch features say nothing about a cla
 
 Single-domain GGEUR (the label-skew case, the paper's Algorithm 1):
 Client k, for every class c it holds (n_{k,c} features z, the frozen backbone's):
-    mu_{k,c} = mean z,   Sigma_{k,c} = sum (z - mu)(z - mu)^T / n_{k,c}        (1/n: the official ``calculate_covariance``)
+    mu_{k,c} = mean z,   Sigma_{k,c} = sum (z - mu)(z - mu)^T / n_{k,c}   (1/n: the official ``calculate_covariance``)
     and sends (c, n_{k,c}, mu_{k,c}, Sigma_{k,c}) -- once, the first round it takes part (the features never change).
 Server, per class, over every client whose statistics it holds (N_c = sum_k n_{k,c}; Eq. 4):
     mu_c    = sum_k n_{k,c} mu_{k,c} / N_c
@@ -118,8 +118,8 @@ def generate(anchors: torch.Tensor, lam: torch.Tensor, vec: torch.Tensor, m: int
 
 @METHODS.register("ggeur")
 class GGEUR(Method):
-    # --finetune full / lora: refused by the run's settings (core.finetune.NEEDS); --dp: its class statistics are not covered (declared
-    # below, refused by their category); --secagg: the server reads each client's statistics, not a mean
+    # --finetune full / lora: refused by the run's settings (core.finetune.NEEDS); --dp: its class statistics are
+    # not covered (declared below, refused by their category); --secagg: the server reads each client's statistics
     finetune_needs = {"frozen": "the per-class covariances of the clients' features, fitted once"}
     dp_sample = False
     secagg = False
