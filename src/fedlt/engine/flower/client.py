@@ -90,7 +90,6 @@ from ...core.steps import PLAIN_STEPS
 from ...data.federated import ClientData, Prep
 from ...data.partition import partition_settings
 from ...core.training import autocast
-from ..federation import federation_for
 from ...seeds import Purpose
 from ..federation import federation_for
 from ..driver import client_generator
