@@ -19,6 +19,7 @@ from fedlt.core.method import Method
 from fedlt.engine import EngineConfig, Simulation
 from fedlt.engine.clientstate import ClientStates, state_name
 from fedlt.data.partition import partition_settings
+from fedlt.data import build_federation
 from fedlt.engine.driver import client_generator
 from fedlt.seeds import Purpose
 from fedlt.errors import ConfigError
@@ -358,7 +359,7 @@ def test_per_client_test_data_from_the_clients_own_samples_leaf_split():
     from fedlt.data.federated import own_test_split
 
     cfg = small_config(clients=6)
-    plain, own = federation_for(cfg), rundir.build_federation(
+    plain, own = federation_for(cfg), build_federation(
         cfg.dataset, None, cfg.imbalance_ratio, None, 3, None, cfg.partition, cfg.clients, cfg.seed, "cpu",
         partition_settings(cfg.partition, cfg), client_test_fraction=0.25)
     for k in range(6):
@@ -378,7 +379,7 @@ def test_per_client_test_data_from_the_clients_own_samples_leaf_split():
 
 
 def test_a_federation_of_many_clients_costs_its_indices_not_a_client_object_each():
-    fed = rundir.build_federation("synthetic", None, 1.0, "none", 3, None, "iid", 20_000, 0, "cpu", {},
+    fed = build_federation("synthetic", None, 1.0, "none", 3, None, "iid", 20_000, 0, "cpu", {},
                                       {"n_per_class": 2_000})
     assert len(fed.clients) == 20_000 and len(fed.clients._views) == 0
     c = fed.clients[19_999]

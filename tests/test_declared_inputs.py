@@ -157,9 +157,26 @@ def run_cli(argv: list[str], cwd: str | Path) -> tuple[int, str]:
 
 @functools.cache
 def options_of(command: str) -> frozenset[str]:
-    """The options ``fedlt COMMAND`` takes (its argparse parser's)."""
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return frozenset(o for a in sub.choices[command]._actions for o in a.option_strings)
+    """The options ``fedlt COMMAND`` takes (its argparse parser's); ``COMMAND`` may name a sub-command's own
+    (``flower app``)."""
+    parser = build_parser()
+    for word in command.split():
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    return frozenset(o for a in parser._actions for o in a.option_strings)
+
+
+def command_of(argv: list[str]) -> str:
+    """The (sub-)command an argument list runs: its leading words that name one (``flower app ...`` -> "flower
+    app")."""
+    words, parser = [], build_parser()
+    for word in argv:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or word not in subs[0].choices:
+            break
+        words.append(word)
+        parser = subs[0].choices[word]
+    return " ".join(words)
 
 
 QUOTED = re.compile(r"(?<!\w)'[^']*'(?!\w)|\"[^\"]*\"")  # a value the message repeats (the input): no suggestion

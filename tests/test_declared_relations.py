@@ -20,7 +20,7 @@ from fedlt.config import FAST_RUN, RELATIONS, load_config  # noqa: E402
 from fedlt.decl import Relation, check_relations, is_set  # noqa: E402
 from fedlt.engine.faults import RELATIONS as TIMING, check_settings  # noqa: E402
 from fedlt.errors import ConfigError  # noqa: E402
-from test_declared_inputs import FAST, refused, run_cli, toml_of  # noqa: E402
+from test_declared_inputs import FAST, command_of, refused, run_cli, toml_of  # noqa: E402
 
 DECLARED = RELATIONS + TIMING
 WITH_EXAMPLES = [r for r in DECLARED if r.bad]
@@ -114,7 +114,7 @@ def test_a_restated_default_or_a_presets_value_is_not_a_given_setting():
 # ------------------------------------------------------------------------------------------- the other causes
 def _one_line(tmp, argv, *inputs):
     code, err = run_cli(argv, tmp)
-    refused("other", code, err, Path(tmp), set(inputs))
+    refused("other", code, err, Path(tmp), set(inputs), command=command_of(argv))
     return err.strip()
 
 
