@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import small_config, tiny_hf_vit
+from distances import record
 from fedlt.config import validate
 from fedlt.core.finetune import feature_prep
 from fedlt.core.privacy import rows_of
@@ -79,6 +80,7 @@ def test_the_pooled_covariance_is_the_union_covariance_and_the_released_formula(
     state, replies = _round(m, m.init_server(), 1, data, torch.Generator().manual_seed(0))
     x = torch.cat([d.x for d in data]).double()
     y = torch.cat([d.y for d in data])
+    worst = 0.0
     for c in range(C):
         z = x[y == c]
         union = (z - z.mean(0)).T @ (z - z.mean(0)) / len(z)  # 1/N over the union of the clients' samples
@@ -93,9 +95,11 @@ def test_the_pooled_covariance_is_the_union_covariance_and_the_released_formula(
         combined = sum(n * ck for n, _, ck in stats) / total
         combined = combined + sum(n * torch.outer(mk - combined_mean, mk - combined_mean) for n, mk, _ in stats) / total
         assert torch.allclose(cov, combined, atol=1e-5)
+        worst = max(worst, (cov - combined).abs().max().item())
         lam, vec = geometric_shape(cov)
         assert torch.allclose(state.lam[c].double(), lam, atol=1e-5)
         assert torch.allclose((vec * lam) @ vec.T, cov, atol=1e-5)  # the shape is the covariance's
+    record("ggeur", "server's class covariance vs the released aggregation (every class)", worst)
 
 
 def test_new_features_lie_on_the_shape_around_their_anchors_and_spread_as_each_scale_says():
@@ -200,6 +204,9 @@ def test_one_local_round_matches_the_released_client_under_its_options():
         outputs = torch.softmax(xb @ W0.T + b0, dim=1)  # MyNet.forward
         torch.nn.CrossEntropyLoss()(outputs, yb).backward()
         opt.step()
+    noise = max((out[True][k] - v.detach()).abs().max().item() for k, v in (("head.weight", W0), ("head.bias", b0)))
+    record("ggeur", "softmax_output=true: a local round vs FL_MLP.train_on_client", noise)
     assert torch.allclose(out[True]["head.weight"], W0.detach(), atol=1e-6)
     assert torch.allclose(out[True]["head.bias"], b0.detach(), atol=1e-6)
-    assert (out[False]["head.weight"] - W0.detach()).abs().max() > 1e-4
+    apart = (out[False]["head.weight"] - W0.detach()).abs().max().item()
+    assert record("ggeur", "default (CE on the logits) vs FL_MLP.train_on_client: a local round", apart) > 1e-4

@@ -27,6 +27,7 @@ torch.set_num_threads(1)
 from fedlt.core import Message, RunSpec, derive_seed, load_weights  # noqa: E402
 from fedlt.data.federated import ClientData, Prep  # noqa: E402
 from fedlt.registry import METHODS  # noqa: E402
+from distances import record  # noqa: E402
 
 C = 10
 
@@ -105,10 +106,11 @@ def test_fednpc_round_aggregation_and_stage2_match_the_released_script():
         load_weights(ref, payload.arrays)
         x, y = next(data.batches(256, None, shuffle=False, train=False))
         refs.append(sgd_round(ref, ref.parameters(), lambda net, a, b: F.cross_entropy(net(a), b), x, y, 0.1, 0.0, 2))
-        assert_close(reply.arrays, refs[-1], refs[-1])
+        record("fednpc", f"default: client {k}'s local round (Local.local_train)",
+               assert_close(reply.arrays, refs[-1], refs[-1]))
     state = m.aggregate(state, 1, replies)
     want = official_aggregate(refs, [len(d) for d in clients])
-    assert_close(state.weights, want, want)
+    record("fednpc", "default: aggregation (initialize_for_model_fusion)", assert_close(state.weights, want, want))
 
     # stage 2 on the aggregate: the released steps from the same RNG stream, E = 28 -> 27 steps
     state = m.phase_aggregate("npc", state, [(k, Message(meta={"num_examples": len(d)})) for k, d in enumerate(clients)])
@@ -119,7 +121,8 @@ def test_fednpc_round_aggregation_and_stage2_match_the_released_script():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(m.spec.seed, 0x4E9C))
         W, b = official_npc(head, 28, 2000, 0.1)
-    assert torch.allclose(state.npc["weight"], W, atol=1e-6) and torch.allclose(state.npc["bias"], b, atol=1e-6)
+    record("fednpc", "default: stage 2, 27 steps on noise (re_train_classifier, fixed epochs)",
+           assert_close(state.npc, {"weight": W, "bias": b}, ("weight", "bias")))
     assert (state.npc["bias"] - state.weights["head.bias"]).abs().max() > 1e-3  # stage 2 moved the classifier
     # inference: the calibrated head on the stage-1 backbone; the preview before the phase is the same head
     modes = m.global_model(state)
@@ -228,12 +231,13 @@ def test_fedvls_default_matches_the_released_client_and_server():
         counts = torch.as_tensor(data.counts)
         official = OfficialVLS(counts, 0.7)
         reply, want = vls_round(m, data, state, official.loss, 0.05, 3)
-        assert_close(reply.arrays, want, want)
+        record("fedvls", f"default: client {data.client_id}'s local round (clientvls.train)",
+               assert_close(reply.arrays, want, want))
         replies.append((data.client_id, reply))
         refs.append(want)
     state = m.aggregate(state, 1, replies)
     want = official_aggregate(refs, [len(d) for d in clients])
-    assert_close(state.weights, want, want)
+    record("fedvls", "default: aggregation (aggregate_parameters)", assert_close(state.weights, want, want))
 
 
 def test_fedvls_paper_options_are_algorithm_1_and_differ_from_the_released_loss():
@@ -243,10 +247,12 @@ def test_fedvls_paper_options_are_algorithm_1_and_differ_from_the_released_loss(
     state = m.init_server()
     paper = paper_vls(counts, 0.7)
     reply, want = vls_round(m, data, state, lambda t: (lambda net, x, y: paper(net, t, x, y)), 0.05, 3)
-    assert_close(reply.arrays, want, want, atol=2e-6)
+    record("fedvls", "logit_form=paper logit_weight=1: local round vs Algorithm 1",
+           assert_close(reply.arrays, want, want, atol=2e-6))
     official = method("fedvls", lr=0.05, momentum=0.9, epochs=3, lam=0.7)
     other, _ = official.local_train(official.configure(state, 1, 0), {}, data, torch.Generator().manual_seed(5))
-    assert max((reply.arrays[k] - other.arrays[k]).abs().max().item() for k in want) > 1e-3
+    apart = max((reply.arrays[k] - other.arrays[k]).abs().max().item() for k in want)
+    assert record("fedvls", "Algorithm 1 (paper options) vs the released loss (default): local round", apart) > 1e-3
 
 
 def test_fedvls_paper_logit_term_skips_a_class_alone_in_its_batch_and_ignores_vacant_classes():
@@ -310,6 +316,7 @@ def test_fedrela_relabelling_matches_the_released_module():
     for key, c in flags.items():
         want[int(key)] = int(c)
     got = relabel(q, y, 5.0, u)
+    record("fedrela", f"re-labelling (util/FedReLa.py): labels that differ, of {len(y)}", int((got != want).sum()))
     assert torch.equal(got, want)
     moved = got != y
     assert 0 < int(moved.sum()) < len(y) // 2
@@ -372,13 +379,22 @@ def test_fedloge_rela_round_relabels_then_trains_as_the_released_update(tmp_path
         phi.weight.copy_(cstate["phi.weight"])
         phi.bias.copy_(cstate["phi.bias"])
     want, phi_w = official_loge_step(ref, W, b, phi, x, y2, 0.05 * 0.1, 0.5)
-    assert_close(reply.arrays, want, want)
+    record("fedrela", "rela_lr_scale=0.1: FedLoGe local round after re-labelling (update_weights_gaux)",
+           assert_close(reply.arrays, want, want))
     assert torch.allclose(new_state["phi.weight"], phi_w, atol=1e-6)
+    # the default (the run's lr from the start on) is the released update at ten times its step
+    default = method("fedrela-loge", lr=0.05, momentum=0.5, epochs=1, rounds=10, rela_passes=1, sse_steps=20)
+    default.spec.cache_dir = str(tmp_path)
+    g3 = torch.Generator()
+    g3.set_state(probe)
+    plain, _ = default.local_train(default.configure(state, 10, 0), dict(cstate), data, g3)
+    apart = max((plain.arrays[k].double() - want[k].double()).abs().max().item() for k in want)
+    assert record("fedrela", "default (rela_lr_scale=1) vs the released update: local round", apart) > 1e-4
     # the server is FedLoGe's weighted mean, the released FedAvg_noniid
     other = {k: v + 0.01 for k, v in reply.arrays.items()}
     state = m.aggregate(state, 10, [(0, reply), (1, Message(other, {"num_examples": 7}))])
     agg = official_aggregate([reply.arrays, other], [len(data), 7])
-    assert_close(state.weights, agg, agg)
+    record("fedrela", "aggregation (FedAvg_noniid)", assert_close(state.weights, agg, agg))
     # one-shot: the next round reuses the labels (no new draws), before the start nothing changes
     assert not m.due(11, new_state) and m.due(10, cstate) and not m.due(9, cstate)
 
@@ -390,6 +406,8 @@ def test_fedetf_rela_before_the_start_is_fedetf():
     a, _ = base.local_train(base.configure(state, 4, 0), {}, data, torch.Generator().manual_seed(1))
     b, cs = rela.local_train(rela.configure(state, 4, 0), {}, data, torch.Generator().manual_seed(1))
     assert "rela.labels" not in cs
+    record("fedrela", "fedrela-etf before the start vs fedetf: local round",
+           max((a.arrays[k] - b.arrays[k]).abs().max().item() for k in a.arrays))
     assert all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
     c, cs = rela.local_train(rela.configure(state, 5, 0), {}, data, torch.Generator().manual_seed(1))
     assert "rela.labels" in cs and cs["rela.labels"].shape == data.y.shape
