@@ -321,3 +321,15 @@ def test_dp_settings_that_cannot_run_are_refused_before_the_run_writes_anything(
     lines = [x for x in err.splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flag", ["--partition-file", "--method-file"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_file_option_is_refused_and_not_read_as_no_file(tmp_path, flag, value):
+    """``--partition-file "$SPLIT"`` with $SPLIT unset: before, the empty path meant "no file" and the run went on
+    with the default partition (or the built-in method) -- the user's clients silently replaced."""
+    fast = [x for k, v in FAST.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    code, err = run_cli(["run", "--out", str(tmp_path), "--name", "r", "--no-progress", *fast, flag, value])
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and f"{flag} is empty" in lines[0], err
+    assert not any(tmp_path.iterdir())

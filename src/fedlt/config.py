@@ -300,6 +300,9 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     typed = (set(values) - set(overrides)) | (set(typed) & set(overrides))
     merged = {k: coerce(SETTINGS[k], v, typed=k in typed) for k, v in merged.items()}  # types first: a path is text, ...
     for k in ("method_file", "partition_file"):  # ... and one the files below may be read from
+        if isinstance(merged.get(k), str) and not merged[k].strip():  # an unset shell variable, say: not "no file"
+            flag = "--" + k.replace("_", "-")
+            raise ConfigError(f"{flag} is empty: give the path of the file, or leave {flag} out")
         if merged.get(k):
             check(SETTINGS[k], merged[k])
     if merged.get("method_file"):
