@@ -285,6 +285,24 @@ class Node:
         keep = [int(r) for r in str(self.ctl.get("keep", "")).split(",") if r]
         save_client_state(context.state, cstate, self.cid, self.state_dir, self.run, tag, keep)
 
+    def privatise(self, reply: Message, ctl, payload: Message | None = None, phase: str | None = None) -> Message:
+        """``reply`` as it may leave the SuperNode under the run's --dp: client level, a round's update clipped
+        here (its class statistics to their own clip) and a phase's reply as the phase allows; sample level, the
+        model DP-SGD trained, its size and the accountant's entries; without DP as it is."""
+        if self.job.cfg.dp == "client":
+            if phase is not None:
+                return phase_reply(phase, f"client {self.cid}", reply)
+            if "dp-clip" not in ctl:
+                raise ConfigError("--dp client: the train message carries no clip (dp-clip), so the update cannot "
+                                  "be clipped here: the server runs another fedlt")
+            stats_clip = self.job.cfg.dp_stats_clip or STATS_CLIP  # class statistics (a class-mean method's)
+            clipped, _, _ = client_reply(payload.arrays, reply, float(ctl["dp-clip"]), f"client {self.cid}", bit=True,
+                                         means=class_means(self.method.sends), stats_clip=stats_clip)
+            return clipped
+        if self.dp is not None:
+            return self.dp.wire.client_reply(self.cid, reply, phase=phase)
+        return reply
+
     def reply(self, msg: FlwrMessage, fm: Message | None = None, **fields_) -> FlwrMessage:
         rd = to_records(fm if fm is not None else Message(), {"client-id": self.cid, **fields_}, "reply", metrics=False)
         return FlwrMessage(rd, reply_to=msg)
@@ -334,16 +352,7 @@ def _trained(node: Node, msg: FlwrMessage, context: Context, cstate: dict, **sai
     with autocast(node.method.spec):
         reply, cstate = node.method.local_train(payload, cstate, node.data, gen)
     node.save(context, cstate, rnd)
-    if node.job.cfg.dp == "client":  # clipped before it leaves the SuperNode; its statistics stay here
-        if "dp-clip" not in ctl:
-            raise ConfigError("--dp client: the train message carries no clip (dp-clip), so the update cannot be "
-                              "clipped here: the server runs another fedlt")
-        stats_clip = node.job.cfg.dp_stats_clip or STATS_CLIP  # class statistics (a class-mean method's)
-        reply, _, _ = client_reply(payload.arrays, reply, float(ctl["dp-clip"]), f"client {node.cid}", bit=True,
-                                   means=class_means(node.method.sends), stats_clip=stats_clip)
-    elif node.dp is not None:  # trained by DP-SGD: the model, its size and the accountant's entries
-        reply = node.dp.wire.client_reply(node.cid, reply)
-    return node.reply(msg, reply, **{"has-state": bool(cstate)}, **said)
+    return node.reply(msg, node.privatise(reply, ctl, payload), **{"has-state": bool(cstate)}, **said)
 
 
 def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
@@ -355,11 +364,7 @@ def phase(msg: FlwrMessage, context: Context) -> FlwrMessage:
         reply, cstate = node.method.phase_client(name, from_records(msg.content), node.client_state(context),
                                                  node.data, gen)
     node.save(context, cstate, node.job.cfg.rounds + 1 + index)
-    if node.job.cfg.dp == "client":
-        reply = phase_reply(name, f"client {node.cid}", reply)
-    elif node.dp is not None:
-        reply = node.dp.wire.client_reply(node.cid, reply, phase=name)
-    return node.reply(msg, reply, **{"has-state": bool(cstate)})
+    return node.reply(msg, node.privatise(reply, ctl, phase=name), **{"has-state": bool(cstate)})
 
 
 def evaluate(msg: FlwrMessage, context: Context) -> FlwrMessage:
