@@ -1,7 +1,7 @@
 """`fedlt sweep --backend ray` on a real two-node Ray cluster on this machine (``ray start --head`` and a second
 ``ray start --address`` with its own temporary folder and resources): the table equals a sequential sweep's, also
-after a SIGTERM to the sweep (exit 143, then started again) and when the worker node's raylet is killed
-(``kill -9``) mid-way, its runs then retried on the head from their checkpoints. Without Ray installed,
+after a SIGTERM to the sweep (exit 143, then started again) and when the worker node dies mid-way (its raylet and
+its workers ``kill -9``-ed at once), its runs then retried on the head from their checkpoints. Without Ray installed,
 ``--backend ray`` is a one-line error.
 
 Every node address is the loopback 127.0.0.2: for a multi-node cluster Ray replaces 127.0.0.1 (and localhost)
@@ -9,6 +9,7 @@ by the machine's outward address (``ray._private.services.resolve_ip_for_localho
 address it keeps."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -58,6 +59,30 @@ def _raylet_pid(temp_dir: Path) -> int:
     raise AssertionError(f"no raylet under {temp_dir}")
 
 
+def _node_pids(temp_dir: Path) -> list[int]:
+    """Every process of the Ray node whose session lives under ``temp_dir``: those whose command lines name its
+    folder (its raylet, its log monitor) and every descendant of its raylet (the workers, which rename
+    themselves ``ray::...``)."""
+    parent, named = {}, set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                stat = (proc / "stat").read_text()
+                parent[int(proc.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+                if str(temp_dir).encode() in (proc / "cmdline").read_bytes():
+                    named.add(int(proc.name))
+            except (OSError, ValueError):
+                continue
+    out, grew = set(named), True
+    while grew:
+        grew = False
+        for pid, pp in parent.items():
+            if pp in out and pid not in out:
+                out.add(pid)
+                grew = True
+    return sorted(out)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """Head: 1 CPU; worker node: 2 CPUs and a resource of its own. A run asks for 1 CPU, so three run at once,
@@ -86,27 +111,16 @@ def cluster():
 
 
 def _stop(tmp: Path) -> None:
-    """End this cluster's processes by their ids (those whose command line names its temporary folders), not with
-    `ray stop`, which ends every Ray process of the machine, other users' clusters too."""
-    def ours() -> list[int]:
-        pids = []
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and int(proc.name) != os.getpid():
-                try:
-                    if str(tmp).encode() in (proc / "cmdline").read_bytes():
-                        pids.append(int(proc.name))
-                except OSError:
-                    continue
-        return pids
-
+    """End this cluster's processes by their ids (:func:`_node_pids` of its temporary folder), not with `ray stop`,
+    which ends every Ray process of the machine, other users' clusters too."""
     for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 15)):
-        for pid in ours():
+        for pid in _node_pids(tmp):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.time() + wait
-        while time.time() < deadline and ours():
+        while time.time() < deadline and _node_pids(tmp):
             time.sleep(0.2)
 
 
@@ -163,11 +177,19 @@ def test_killing_the_worker_node_mid_sweep_retries_its_runs_from_their_checkpoin
     while time.time() < deadline and p.poll() is None and sum(r.status() == "partial" for r in runs) < 3:
         time.sleep(0.05)
     assert p.poll() is None, p.communicate()[0]
-    os.kill(_raylet_pid(cluster["worker_dir"]), signal.SIGKILL)
+    # the node dies as a machine does: its raylet and every worker process of it at once (the raylet alone left its
+    # workers a moment in which, on a loaded machine, a run could finish its last rounds before it noticed)
+    node = _node_pids(cluster["worker_dir"])
+    assert _raylet_pid(cluster["worker_dir"]) in node and len(node) > 1, node
+    for pid in node:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    cut = [i for i, r in enumerate(runs) if r.status() == "partial"]  # the runs under way when it died
     out = p.communicate(timeout=300)[0]
     assert p.returncode == 0, out
     resumed = [json.loads((r.dir / "summary.json").read_text()).get("resumed_after_round") for r in runs]
-    assert sum(x is not None for x in resumed) >= 2, (resumed, out)  # the dead node's runs, from their checkpoints
+    # the dead node's runs from their checkpoints: all of those cut off but the head's one
+    assert sum(resumed[i] is not None for i in cut) >= max(1, len(cut) - 1), (cut, resumed, out)
     for r in runs:  # every round logged once
         recs = [json.loads(x) for x in (r.dir / "metrics.jsonl").read_text().splitlines()]
         assert [x["round"] for x in recs if "round" in x] == list(range(1, 6))
