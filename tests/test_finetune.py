@@ -305,3 +305,48 @@ def test_a_supernodes_own_data_is_encoded_under_head(vit, tmp_path):
     own = finetune.feature_client(load_client_dir(str(tmp_path), 0, pr.spec, raw.prep), pr.spec)
     assert own.x.shape == (len(raw), WIDTH)
     assert torch.allclose(own.x, c0.x, atol=1e-5)  # the partition's client 0, encoded the same way
+
+
+def _attention(net) -> set:
+    """How the Hugging Face models a fedlt model runs attend (its LoRA backbone's shared base too)."""
+    roots = [net, *(s for m in net.modules() for s in getattr(m, "shared_modules", tuple)())]
+    return {m.config._attn_implementation for r in roots for m in r.modules() if hasattr(m, "set_attn_implementation")}
+
+
+def test_dp_sgd_runs_hf_attention_eager_and_gives_the_shared_backbone_back_as_it_was(vit):
+    """torch's vmap has no batching rule for scaled_dot_product_attention on a CPU, so DP-SGD's per-sample gradients
+    ran a Hugging Face ViT's attention one sample at a time (torch warned of the performance drop): under --dp sample
+    the round now attends "eager" while it trains, without that warning, and the process's shared backbone attends as
+    before afterwards; eager and sdpa per-sample gradients are the same to float rounding."""
+    import warnings
+
+    from torch.func import functional_call, grad, vmap
+
+    from fedlt.core.dpsgd import eager_attention
+
+    pr, cfg = _prepared(vit, finetune="lora", participation=1.0, dp="sample", dp_clip=1.0, dp_noise=0.5)
+    net = pr.method.new_model()
+    assert _attention(net) == {"sdpa"}
+    sim = Simulation(pr.method, pr.fed, EngineConfig.of(cfg, progress=False))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sim.train_round()
+    assert not [w for w in seen if "performance drop" in str(w.message)], [str(w.message) for w in seen]
+    assert _attention(net) == {"sdpa"} and _attention(pr.method.net) == {"sdpa"}
+
+    x = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(6) % pr.spec.num_classes
+    params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
+
+    def loss(p, xi, yi):
+        return torch.nn.functional.cross_entropy(functional_call(net, p, (xi[None],)), yi[None])
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sdpa's fallback, which this compares against
+        want = per_sample(params, x, y)
+    with eager_attention(net) as switched:
+        assert switched and _attention(net) == {"eager"}
+        got = per_sample(params, x, y)
+    assert _attention(net) == {"sdpa"}
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5

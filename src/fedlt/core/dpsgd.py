@@ -56,6 +56,7 @@ vectorised over its batch.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -185,6 +186,27 @@ def unamplified_words(table: dict) -> str:
             f"--batch-size an epoch: sampling rate 1)")
 
 
+@contextlib.contextmanager
+def eager_attention(*nets: torch.nn.Module):
+    """While it lasts, the Hugging Face models inside ``nets`` attend "eager" (plain matmuls and a softmax) where
+    they were "sdpa": torch has no vmap rule for scaled_dot_product_attention's CPU kernels, forward or backward, so
+    under per-sample gradients they run one sample at a time (torch warns "There is a performance drop because we
+    have not yet implemented the batching rule"), while eager attention batches like any layer. The same function to
+    float rounding (``benchmarks/dp_attention.py`` measures both); restored after, as the backbone is shared by
+    every model of the process (:func:`fedlt.core.finetune.shared_backbone`). Yields the models it switched."""
+    roots = [*nets, *(s for net in nets for m in net.modules() for s in getattr(m, "shared_modules", tuple)())]
+    switched = [m for root in roots for m in root.modules()
+                if hasattr(m, "set_attn_implementation")
+                and getattr(getattr(m, "config", None), "_attn_implementation", None) == "sdpa"]
+    for m in switched:
+        m.set_attn_implementation("eager")
+    try:
+        yield switched
+    finally:
+        for m in switched:
+            m.set_attn_implementation("sdpa")
+
+
 def per_sample_grads(method, steps: LocalSteps, run: StepRun, part_names: list[str]) -> Callable:
     """``f(tp, x, y) -> (grads, (losses, [loss, *parts] per sample))``: the gradient of the described loss of each
     sample of the batch ``(x, y)`` alone, with respect to the trained tensors ``tp`` (by name), vectorised over the
@@ -271,26 +293,27 @@ class DPSGD:
 
         opt.attach_step_hook(step_hook)
         part_names: list[str] = []
-        grads_of = per_sample_grads(method, steps, run, part_names)
-        sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=rate, generator=gen, steps=L)
-        meter, norms, done = Meter(), [], 0
-        for _ in range(epochs):
-            for idx in sampler:
-                opt.zero_grad(set_to_none=True)
-                if idx:
-                    x, y = data.sample_batch(torch.tensor(idx, dtype=torch.long), gen, train=True)
-                    grads, (_, vec) = grads_of({k: t.detach() for k, t in zip(run.groups, trained)}, x, y)
-                    for k, t in zip(run.groups, trained):
-                        t.grad_sample = grads[k]
-                    norms.append(torch.stack([g.reshape(len(g), -1).norm(2, dim=1) for g in grads.values()], 1)
-                                 .norm(2, dim=1))
-                    meter.add(vec.mean(0))
-                else:  # an empty Poisson batch: the step is the noise alone (opacus's empty-batch case)
-                    for t in trained:
-                        t.grad_sample = t.new_zeros((0, *t.shape))
-                with torch.autocast(dev.type, enabled=False):  # opacus's clip and sum in the parameters' dtype
-                    opt.step()
-                done += 1
+        with eager_attention(run.net, frozen_net(method)):  # vmap batches it (see there)
+            grads_of = per_sample_grads(method, steps, run, part_names)
+            sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=rate, generator=gen, steps=L)
+            meter, norms, done = Meter(), [], 0
+            for _ in range(epochs):
+                for idx in sampler:
+                    opt.zero_grad(set_to_none=True)
+                    if idx:
+                        x, y = data.sample_batch(torch.tensor(idx, dtype=torch.long), gen, train=True)
+                        grads, (_, vec) = grads_of({k: t.detach() for k, t in zip(run.groups, trained)}, x, y)
+                        for k, t in zip(run.groups, trained):
+                            t.grad_sample = grads[k]
+                        norms.append(torch.stack([g.reshape(len(g), -1).norm(2, dim=1) for g in grads.values()], 1)
+                                     .norm(2, dim=1))
+                        meter.add(vec.mean(0))
+                    else:  # an empty Poisson batch: the step is the noise alone (opacus's empty-batch case)
+                        for t in trained:
+                            t.grad_sample = t.new_zeros((0, *t.shape))
+                    with torch.autocast(dev.type, enabled=False):  # opacus's clip and sum in the parameters' dtype
+                        opt.step()
+                    done += 1
         for t in trained:  # nothing of the per-sample gradients outlives the steps
             t.grad_sample = t.summed_grad = None
         accounts.trained(cid, ledger, rate)

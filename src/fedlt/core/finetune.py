@@ -297,6 +297,10 @@ class LoraBackbone(nn.Module):
         self._dropouts = [m for n, m in base.named_modules() if n.endswith("lora_dropout")]
         self._bns = [m for _, m in _bn_modules(base)]
 
+    def shared_modules(self) -> tuple[nn.Module, ...]:
+        """The module trees it runs that are not its sub-modules: the process's shared base."""
+        return (self.base,)
+
     def substitutes(self) -> dict[str, torch.Tensor]:
         out = {n: _get(self.adapters, n) for n in self.names}
         for path in self.bn_paths:
