@@ -210,3 +210,30 @@ def test_one_local_round_matches_the_released_client_under_its_options():
     assert torch.allclose(out[True]["head.bias"], b0.detach(), atol=1e-6)
     apart = (out[False]["head.weight"] - W0.detach()).abs().max().item()
     assert record("ggeur", "default (CE on the logits) vs FL_MLP.train_on_client: a local round", apart) > 1e-4
+
+
+def test_the_aggregation_is_the_released_uniform_mean_under_its_option_and_fedavgs_by_default():
+    """``FL_MLP.py``'s ``aggregate_client_models``, written out: the sum of the clients' state dicts divided by their
+    number. ``uniform_mean=true`` gives it to float precision; the default is FedAvg's n_k-weighted mean, as far from
+    it as the clients' sizes differ."""
+    data, _, _ = _synthetic(seed=4)
+    sizes = [len(d) for d in data]
+    assert len(set(sizes)) > 1  # the two means differ only where the clients' sizes do
+    got = {}
+    for uniform in (True, False):
+        m = _method({"uniform_mean": uniform})
+        state, replies = _round(m, m.init_server(), 1, data, torch.Generator().manual_seed(3))
+        got[uniform] = state.weights
+    models = [r.arrays for _, r in replies]  # the same replies either way: the option is the server's
+    released = {k: torch.zeros_like(v) for k, v in got[True].items()}
+    for sd in models:
+        for k in released:
+            released[k] += sd[k]
+    for k in released:
+        released[k] /= len(models)
+    weighted = {k: sum(sd[k].double() * n for sd, n in zip(models, sizes)) / sum(sizes) for k in released}
+    noise = max((got[True][k] - released[k]).abs().max().item() for k in released)
+    assert record("ggeur", "uniform_mean=true: aggregation vs FL_MLP.aggregate_client_models", noise) < 1e-6
+    assert max((got[False][k].double() - weighted[k]).abs().max().item() for k in released) < 1e-6
+    apart = max((got[False][k] - released[k]).abs().max().item() for k in released)
+    assert record("ggeur", "default (n_k-weighted) vs aggregate_client_models: aggregation", apart) > 1e-4

@@ -57,6 +57,7 @@ target per class          N_c, the class's global count (None),   5000 hard-code
 classifier's output       logits; CE (``softmax_output=false``)    ``MyNet``: softmax(fc(x)), then CrossEntropyLoss
                                                                    (a second softmax): ``softmax_output=true``
 aggregation               n_k-weighted (FedAvg)                    the uniform mean of the clients' classifiers
+                                                                   (``uniform_mean=true``)
 local optimiser           the run's                                SGD lr 0.001, momentum 0.9, batch 32, 1 epoch
 ========================  =======================================  =============================================
 Multi-domain GGEUR (Algorithm 2: other domains' class prototypes as further anchors) is not implemented: fedlt's
@@ -132,6 +133,8 @@ class GGEUR(Method):
                                       "sqrt(lambda_j): N(x, Sigma))", choices=SCALES)
         softmax_output: bool = setting(False, "official: CE on softmax(logits) (MyNet's output), a second softmax")
         stats_round: bool = setting(False, "round 1 only gathers the statistics (nobody trains)")
+        uniform_mean: bool = setting(False, "official: the uniform mean of the clients' classifiers "
+                                            "(aggregate_client_models); default FedAvg's n_k-weighted mean")
 
     @dataclass
     class State(Method.State):
@@ -170,8 +173,8 @@ class GGEUR(Method):
         from ..core.aggregation import weighted_average
 
         keys = set(state.weights)
-        new = weighted_average([({k: v for k, v in r.arrays.items() if k in keys}, r.meta["num_examples"])
-                                for _, r in replies])
+        new = weighted_average([({k: v for k, v in r.arrays.items() if k in keys},
+                                 1 if self.p.uniform_mean else r.meta["num_examples"]) for _, r in replies])
         state.weights = {**state.weights, **new}
         heard = [(cid, r.arrays) for cid, r in replies if "ggeur.cov" in r.arrays]
         if heard:
