@@ -27,6 +27,7 @@ CASES = [(m, {}) for m in BATCHING] + [
     ("fedavg", {"model": "smallcnn-bn"}),  # per-client BatchNorm statistics, updated in the stacked buffers
     ("fedbn", {"model": "smallcnn-bn"}),
     ("fedloge", {"params": {"persist_phi_momentum": "true"}}),  # momentum carried in from the client state
+    ("fedloge", {"params": {"backbone_loss": "etf-dr", "fixed": "etf"}}),  # a BatchNorm over each client's batch
 ]
 _FED = {}
 

@@ -256,3 +256,38 @@ def test_ablation_switches_modes_and_phases():
 def test_bad_settings_raise_config_error(params):
     with pytest.raises(ConfigError):
         _method(**params)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--set", "fixed_bias=true"], "backbone_loss=etf-dr trains theta on the fixed classifier's vectors, which have "
+                                   "no bias; drop fixed_bias"),
+    (["--dp", "sample", "--dp-clip", "1", "--dp-noise", "1"], "normalises the features over the batch"),
+], ids=["fixed-bias", "dp-sample"])
+def test_the_official_etf_baseline_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys, argv, says):
+    """``backbone_loss=etf-dr`` (the official code's ETF baseline): its dot regression has no bias term, and its
+    BatchNorm projector makes a sample's loss read the batch, which per-sample gradients cannot bound."""
+    from fedlt.cli import main as cli_main
+
+    code = cli_main(["run", "--method", "fedloge", "--set", "backbone_loss=etf-dr", "--set", "fixed=etf", "--dataset",
+                     "digits", "--rounds", "1", "--out", str(tmp_path), "--no-progress", *argv])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert code == 2 and len(err) == 1 and says in err[0], err
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_etf_dr_loss_is_zero_on_the_class_vector_and_half_the_squared_length_across_it():
+    """reg_dot_loss on one sample (the projector passes a batch of one through; E_y = 1): 0 when the feature points
+    along m_y whatever its length, 1/2 when it is orthogonal to m_y; and the projector's outputs are unit vectors.
+    (The per-batch scaling E is checked against the released produce_Ew in tests/test_official_2026.py.)"""
+    from fedlt.methods.fedloge import etf_dot_regression, etf_features
+
+    C, d = 4, 8
+    M = torch.linalg.qr(torch.randn(d, C, generator=torch.Generator().manual_seed(0)))[0].T  # orthonormal rows
+    ones, zeros = torch.ones(d), torch.zeros(d)
+    y = torch.tensor([2])
+    assert etf_dot_regression(M[2:3] * 5.0, y, M, ones, zeros) < 1e-10
+    across = M[3:4] * 0.3  # orthogonal to m_2
+    assert etf_dot_regression(across, y, M, ones, zeros).item() == pytest.approx(0.5, abs=1e-6)
+    h = torch.randn(6, d, generator=torch.Generator().manual_seed(1)) * 7.0
+    assert torch.allclose(etf_features(h, ones, zeros).norm(dim=1), torch.ones(6), atol=1e-5)
+    assert torch.allclose(etf_features(h[:1], ones, zeros), h[:1] / h[:1].norm(), atol=1e-6)

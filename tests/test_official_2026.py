@@ -399,6 +399,94 @@ def test_fedloge_rela_round_relabels_then_trains_as_the_released_update(tmp_path
     assert not m.due(11, new_state) and m.due(10, cstate) and not m.due(9, cstate)
 
 
+def official_etf_dr_step(net, M, phi, x, y, lr, momentum, epochs):
+    """update_weights_etf (fed_etf.py's client) on one batch a local epoch: ``g_head`` an ETF_Classifier (BN_H, as
+    copied from the server: affine 1 and 0) whose BN_H trains in the backbone's SGD; per batch ``produce_Ew``'s
+    scaling of ``ori_M`` (``M`` [d, C]), the projector's forward (BN_H on batches of more than one sample, then
+    the L2 normalisation), ``reg_dot_loss`` (reg_lam 0); then g_aux and l_head by CE on the detached features."""
+    C = M.shape[1]
+    bn = torch.nn.BatchNorm1d(M.shape[0])
+    backbone = [p for n, p in net.named_parameters() if n.startswith("backbone.")]
+    opt_b = torch.optim.SGD([{"params": backbone}, {"params": bn.parameters()}], lr=lr, momentum=momentum)
+    opt_a = torch.optim.SGD(net.head.parameters(), lr=lr, momentum=momentum)
+    opt_l = torch.optim.SGD(phi.parameters(), lr=lr, momentum=momentum)
+    for _ in range(epochs):
+        for o in (opt_b, opt_a, opt_l):
+            o.zero_grad()
+        uni, count = torch.unique(y, return_counts=True)  # produce_Ew
+        gamma = y.size(0) / uni.size(0)
+        Ew = torch.ones(1, C)
+        for i in range(uni.size(0)):
+            Ew[0, uni[i]] = torch.sqrt(gamma / count[i])
+        cur_M = Ew * M
+        feat = net.backbone(x)
+        features = bn(feat) if feat.size(0) > 1 else feat  # ETF_Classifier.forward
+        features = features / torch.clamp(torch.sqrt(torch.sum(features ** 2, dim=1, keepdims=True)), min=1e-8)
+        with torch.no_grad():
+            H_length = torch.clamp(torch.sqrt(torch.sum(features.detach() ** 2, dim=1, keepdims=False)), 1e-8)
+        target = cur_M[:, y].T  # dot_loss(..., 'reg_dot_loss', H_length, reg_lam=0)
+        dot = torch.bmm(features.unsqueeze(1), target.unsqueeze(2)).view(-1)
+        with torch.no_grad():
+            M_length = torch.sqrt(torch.sum(target ** 2, dim=1, keepdims=False))
+        loss = (1 / 2) * torch.mean(((dot - (M_length * H_length)) ** 2) / H_length)
+        loss.backward()
+        opt_b.step()
+        F.cross_entropy(net.head(feat.detach()), y).backward()
+        opt_a.step()
+        F.cross_entropy(phi(feat.detach()), y).backward()
+        opt_l.step()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, phi.weight.detach().clone()
+
+
+def test_fedrela_on_the_released_etf_base_relabels_and_trains_as_fed_etf_py(tmp_path):
+    """FedReLa's ``fed_etf.py``: FedLoGe's code's ETF baseline, here ``fedrela-loge --set backbone_loss=etf-dr --set
+    fixed=etf``. Q from the received backbone through the server's projector (eval mode) and the ETF (``collect_Q``,
+    method "etf"), the released re-labelling, then two local epochs of ``update_weights_etf`` at the released lr x 0.1;
+    the projector never leaves the client."""
+    data = client({0: 30, 1: 14, 2: 6, 4: 3, 6: 9}, seed=7)
+    m = method("fedrela-loge", lr=0.05, momentum=0.5, epochs=2, rounds=10, rela_passes=1, backbone_loss="etf-dr",
+               fixed="etf", rela_lr_scale=0.1)
+    m.spec.cache_dir = str(tmp_path)
+    state = m.init_server()
+    cstate = m.init_client(0, data)
+    payload = m.configure(state, 10, 0)
+    gen = torch.Generator().manual_seed(8)
+    probe = gen.get_state()
+    reply, new_state = m.local_train(payload, dict(cstate), data, gen)
+    assert not any(k.startswith("proj.") for k in (*reply.arrays, *new_state))
+
+    W, _ = m.fixed_head()
+    M = W.T.contiguous()  # ori_M [d, C]
+    ref = m.new_model()
+    load_weights(ref, payload.arrays)
+    x, y = next(data.batches(256, None, shuffle=False, train=False))
+    with torch.no_grad():  # collect_Q: g_head.eval() (BN_H's initial statistics), then ori_M
+        bn = torch.nn.BatchNorm1d(M.shape[0]).eval()
+        out = bn(ref.backbone(x))
+        out = out / torch.clamp(torch.sqrt(torch.sum(out ** 2, dim=1, keepdims=True)), min=1e-8)
+        q = torch.softmax(torch.matmul(out, M), 1).double()
+    g2 = torch.Generator()
+    g2.set_state(probe)
+    u = torch.rand(q.shape, generator=g2, dtype=torch.float64)
+    rows = iter(u.numpy())
+    flags = official_relabel(q.numpy(), y.numpy(), C, 5.0, lambda _: next(rows))
+    assert flags, "nothing was re-labelled: the test would not test the plug-in"
+    y2 = y.clone()
+    for key, c in flags.items():
+        y2[int(key)] = int(c)
+    record("fedrela", "etf base: re-labelling vs collect_Q(method='etf') + util/FedReLa.py: labels that differ, "
+                      f"of {len(y)}", int((new_state["rela.labels"] != y2).sum()))
+    assert torch.equal(new_state["rela.labels"], y2)
+    phi = torch.nn.Linear(W.shape[1], C)
+    with torch.no_grad():
+        phi.weight.copy_(cstate["phi.weight"])
+        phi.bias.copy_(cstate["phi.bias"])
+    want, phi_w = official_etf_dr_step(ref, M, phi, x, y2, 0.05 * 0.1, 0.5, 2)
+    record("fedrela", "etf base (backbone_loss=etf-dr fixed=etf): local round vs update_weights_etf",
+           assert_close(reply.arrays, want, want))
+    assert torch.allclose(new_state["phi.weight"], phi_w, atol=1e-6)
+
+
 def test_fedetf_rela_before_the_start_is_fedetf():
     data = client({0: 20, 3: 5, 8: 2}, seed=6)
     base, rela = method("fedetf", lr=0.05, pers_rounds=0), method("fedrela-etf", lr=0.05, pers_rounds=0, rela_start=5)

@@ -59,6 +59,11 @@ PM logits                  Alg. 1 returns {theta, phi'_k}: the          phi_k(h)
                                                                         mask by the client's training classes
 fine-tuning after LA-FR    "could be further conducted" (A.5: gains     0 epochs in the released code
                            up to 15 epochs)                             (``finetune_epochs``, default 0)
+theta's loss               CE(psi_SSE-C(h), y) (Alg. 1)                 the same in ``fedloge.py``; the code's ETF
+                                                                        baseline (``fedrod_etf.py``, run by
+                                                                        FedReLa's ``fed_etf.py``) trains theta by
+                                                                        dot regression instead:
+                                                                        ``backbone_loss=etf-dr`` (below)
 optimisers                 "SGD"                                        three SGDs (lr, momentum of the run),
                                                                         re-created every round: the default here;
                                                                         ``head_lr`` / ``head_momentum`` set the
@@ -68,6 +73,16 @@ phi_k^(0)                  unspecified                                  an indep
                                                                         client: ours is U(-1/sqrt(d), 1/sqrt(d))
                                                                         from a seed derived from (seed, client)
 =========================  ===========================================  ============================================
+
+The official code's ETF baseline (``backbone_loss=etf-dr``, with ``--set fixed=etf``: a dense ETF, no bias): psi and
+phi_k as above, theta through a BatchNorm projector (affine gamma = 1, beta = 0 at the start of every round, trained with
+theta by the same SGD, never sent: the official ``g_head`` is copied from the server's every round and never
+aggregated) and the L2 normalisation, by the dot-regression loss with per-batch class scaling:
+    z = BN_batch(h; gamma, beta) (batches of one: z = h),   h^ = z / max(||z||, 1e-8)
+    E_c = sqrt((B / |classes in the batch|) / n_c,batch) for a class in the batch, else 1   (``produce_Ew``)
+    L = 1/2 mean_i (<h^_i, E_y m_y> - ||E_y m_y|| ||h^_i||)^2 / ||h^_i||   (``reg_dot_loss``, norms not differentiated)
+Its universal prediction, normalise(BN(h)) . M with the projector as the server holds it (its initial running
+statistics: the identity up to a scale), has the argmax of M h, which "universal" reports.
 
 Ablations (Table 3, App. A.10): ``fixed`` = sse-c | etf | xavier | gaussian | uniform | orthogonal |
 kaiming_uniform; ``beta`` (sparsity; None = the kind's default: 0.6 for sse-c, 0 for the rest); ``refine``
@@ -94,6 +109,7 @@ from ..core.losses import linear_heads_ce, masked_logits
 from ..core.personal import personal_net
 from ..core.privacy import MODEL, sent, sends_with
 from ..decl import setting
+from ..errors import ConfigError
 from ..registry import METHODS
 
 PHI_INIT, FIXED_BIAS = 0xF10, 0xF11  # seed streams (with the run seed, and the client id for phi_k^(0))
@@ -118,6 +134,34 @@ def linear_head(weight: torch.Tensor, bias: torch.Tensor, present=None):
     if present is None:
         return lambda h: F.linear(h, weight, bias)
     return lambda h: masked_logits(F.linear(h, weight, bias), present, float("-inf"))
+
+
+def etf_features(h: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 training: bool = True) -> torch.Tensor:
+    """The official ETF baseline's projector: BatchNorm (affine ``weight``, ``bias``) over the batch in training (a
+    batch of one passes through), else with the server's projector's statistics, its initial ones (mean 0,
+    variance 1); then L2 normalisation (norms floored at 1e-8)."""
+    if len(h) > 1:
+        stats = (None, None) if training else (h.new_zeros(h.shape[1]), h.new_ones(h.shape[1]))
+        h = F.batch_norm(h, *stats, weight, bias, training=training, eps=1e-5)
+    return h / h.norm(dim=1, keepdim=True).clamp_min(1e-8)
+
+
+def etf_dot_regression(h: torch.Tensor, y: torch.Tensor, M: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor) -> torch.Tensor:
+    """The official ``reg_dot_loss`` on ``produce_Ew``'s per-batch class scaling (see the method's doc): ``M`` [C, d]
+    the fixed ETF's class vectors."""
+    hn = etf_features(h, weight, bias)
+    counts = (y[:, None] == torch.arange(M.shape[0], device=y.device)).sum(0).to(h.dtype)  # vmap-able, as batched
+    # clients run (torch.unique and F.one_hot read values)
+    present = counts > 0
+    gamma = len(y) / present.sum().to(h.dtype)  # B / the classes in the batch
+    scale = torch.where(present, torch.sqrt(gamma / counts.clamp_min(1)), torch.ones_like(counts))
+    target = M[y] * scale[y, None]
+    dot = (hn * target).sum(1)
+    with torch.no_grad():
+        m_len, h_len = target.norm(dim=1), hn.norm(dim=1).clamp_min(1e-8)
+    return 0.5 * ((dot - m_len * h_len) ** 2 / h_len).mean()
 
 
 @METHODS.register("fedloge")
@@ -151,6 +195,9 @@ class FedLoGe(Method):
         fixed_bias: bool = setting(False, "official code: a frozen random bias U(-1/sqrt(d), 1/sqrt(d)) on the SSE-C")
         send_fixed: bool = setting(False, "ship the matrix once per client instead of deriving it from the seed")
         # stage 1: optimisers (backbone: the run's lr/momentum; re-created every round, like the official code)
+        backbone_loss: str = setting("ce", "theta's loss through the fixed classifier: ce (Alg. 1) | etf-dr (the "
+                                           "official code's ETF baseline, with fixed=etf: see the method's doc)",
+                                     choices=("ce", "etf-dr"))
         head_lr: float | None = setting(None, "lr of psi and phi_k (official: the same lr for all three)", low=0,
                                         low_open=True, none_means="the round's lr", old_none="< 0")
         head_momentum: float | None = setting(None, "momentum of psi and phi_k", low=0, high=1, high_open=True,
@@ -195,6 +242,16 @@ class FedLoGe(Method):
         self.keep_bias = official  # the official code keeps b_psi in both realigned heads
         self.lafr_normalize = not official
         self._fixed: tuple[torch.Tensor, torch.Tensor] | None = None
+        if p.backbone_loss == "etf-dr" and p.fixed_bias:
+            raise ConfigError(f"{self.name}: backbone_loss=etf-dr trains theta on the fixed classifier's vectors, "
+                              f"which have no bias; drop fixed_bias")
+
+    @classmethod
+    def dp_sample_refusal(cls, p) -> str:
+        if p.backbone_loss == "etf-dr":
+            return ("backbone_loss=etf-dr normalises the features over the batch (its BatchNorm projector), so one "
+                    "sample's loss reads the others'; use backbone_loss=ce")
+        return ""
 
     # ---------------------------------------------------------------------------------------- fixed classifier
     @property
@@ -285,8 +342,13 @@ class FedLoGe(Method):
         extra = {"phi.weight": cstate["phi.weight"], "phi.bias": cstate["phi.bias"], "fixed.weight": W, "fixed.bias": b}
         momentum = {k: cstate[f"phi.momentum.{k[4:]}"] for k in ("phi.weight", "phi.bias")
                     if self.p.persist_phi_momentum and f"phi.momentum.{k[4:]}" in cstate}
-        return LocalSteps(payload.arrays, self.stage1_loss, extra=extra, momentum=momentum,
-                          train=(Train("backbone."), Train("head.", head_lr, head_mom), Train("phi.", head_lr, head_mom)))
+        train = (Train("backbone."), Train("head.", head_lr, head_mom), Train("phi.", head_lr, head_mom))
+        loss = self.stage1_loss
+        if self.p.backbone_loss == "etf-dr":  # the projector: fresh each round, trained with theta, never sent
+            d = W.shape[1]
+            extra.update({"proj.weight": torch.ones(d, device=W.device), "proj.bias": torch.zeros(d, device=W.device)})
+            train, loss = (*train, Train("proj.")), self.etf_dr_loss
+        return LocalSteps(payload.arrays, loss, extra=extra, momentum=momentum, train=train)
 
     @staticmethod
     def stage1_loss(model, x, y, extra):
@@ -296,6 +358,17 @@ class FedLoGe(Method):
                                   (hd, model.params["head.weight"], model.params["head.bias"]),  # psi, detached
                                   (hd, extra["phi.weight"], extra["phi.bias"])], y)  # phi_k, detached
         return losses.sum(), {"loss": losses[0], "loss_psi": losses[1], "loss_phi": losses[2]}
+
+    @staticmethod
+    def etf_dr_loss(model, x, y, extra):
+        """``backbone_loss=etf-dr``: theta by dot regression through the projector onto the fixed ETF, psi and phi_k
+        by CE on the detached features, as in :meth:`stage1_loss`."""
+        h = model.backbone(x)
+        hd = h.detach()
+        dr = etf_dot_regression(h, y, extra["fixed.weight"], extra["proj.weight"], extra["proj.bias"])
+        heads = linear_heads_ce([(hd, model.params["head.weight"], model.params["head.bias"]),
+                                 (hd, extra["phi.weight"], extra["phi.bias"])], y)
+        return dr + heads.sum(), {"loss": dr, "loss_psi": heads[0], "loss_phi": heads[1]}
 
     def local_reply(self, payload, cstate, data, out):
         """Reply {theta, psi}; phi_k (and, with persist_phi_momentum, its momentum) stays on the client."""

@@ -43,9 +43,12 @@ Q's passes                 eval mode (BatchNorm's running              the backb
                                                                        loader; the same without BatchNorm
 random draws               the client's generator                      ``np.random`` (global), one draw of C per
                                                                        sample in the loader's first-pass order
-base methods               fedlt's FedLoGe and FedETF                  its own copies (its FedETF trains by a
-                                                                       regression "dot loss" on the ETF, not
-                                                                       FedETF's balanced softmax)
+base methods               fedlt's FedLoGe and FedETF                  its own copies: ``fedloge.py`` is FedLoGe's;
+                                                                       its ``fed_etf.py`` is not FedETF but
+                                                                       FedLoGe's code's ETF baseline (a BatchNorm
+                                                                       projector, a dense ETF, dot regression, psi
+                                                                       and phi_k): ``fedrela-loge --set
+                                                                       backbone_loss=etf-dr --set fixed=etf``
 start round                the last 10% of the rounds: floor(0.9 R)    ``--relabel_start 450`` of 500 rounds
                            + 1 of R (1-based; 451 of 500)              (0-based), loaded from the base run's
                                                                        round-450 checkpoint
@@ -66,7 +69,7 @@ from ..core.personal import personal_net
 from ..decl import setting
 from ..registry import METHODS
 from .fedetf import FedETF
-from .fedloge import FedLoGe
+from .fedloge import FedLoGe, etf_features
 
 ROUND = "rela.round"  # the training round, in the payload's meta (the clients need it to know when to start)
 LABELS = "rela.labels"  # the client's re-labelled training labels, in its state
@@ -200,9 +203,13 @@ class FedLoGeReLa(ReLa, FedLoGe):
         pass
 
     def rela_logits(self, payload, cstate):
-        """FedLoGe's generic prediction during training: the frozen SSE-C on the received backbone."""
+        """FedLoGe's generic prediction during training: the frozen SSE-C on the received backbone; under
+        ``backbone_loss=etf-dr`` the ETF on the server's projector's output (the official ``collect_Q``, method
+        "etf": ``g_head`` in eval mode, then ``ori_M``)."""
         W, b = self._client_fixed(payload, cstate)
         net = self.received_net(payload.arrays)
+        if self.p.backbone_loss == "etf-dr":
+            return lambda x: F.linear(etf_features(net.backbone(x), training=False), W)
         return lambda x: F.linear(net.backbone(x), W, b)
 
 
