@@ -324,6 +324,38 @@ def test_fedrela_relabelling_matches_the_released_module():
     assert bool((n[got[moved]] < n[y[moved]]).all())  # always towards a less-populated class
 
 
+def official_heads(net, phi, feats, y, opt_a, opt_l):
+    """update_weights_gaux's and update_weights_etf's g_aux and l_head steps: CE on the detached features, each by
+    its SGD; then what the client keeps (the model's state and l_head's weight)."""
+    F.cross_entropy(net.head(feats.detach()), y).backward()
+    opt_a.step()
+    F.cross_entropy(phi(feats.detach()), y).backward()
+    opt_l.step()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, phi.weight.detach().clone()
+
+
+def released_labels(q, y, probe):
+    """util/FedReLa.py's labels from Q, with the uniform draws the client's generator gives from state ``probe``."""
+    g2 = torch.Generator()
+    g2.set_state(probe)
+    rows = iter(torch.rand(q.shape, generator=g2, dtype=torch.float64).numpy())
+    flags = official_relabel(q.numpy(), y.numpy(), C, 5.0, lambda _: next(rows))
+    assert flags, "nothing was re-labelled: the test would not test the plug-in"
+    y2 = y.clone()
+    for key, c in flags.items():
+        y2[int(key)] = int(c)
+    return y2
+
+
+def local_head(cstate, d):
+    """l_head as the client state holds phi_k."""
+    phi = torch.nn.Linear(d, C)
+    with torch.no_grad():
+        phi.weight.copy_(cstate["phi.weight"])
+        phi.bias.copy_(cstate["phi.bias"])
+    return phi
+
+
 def official_loge_step(net, fixed_w, fixed_b, phi, x, y, lr, momentum):
     """update_weights_gaux's batch: CE(g_head(f(x))) steps the backbone, CE(g_aux(f.detach())) the aux head,
     CE(l_head(f.detach())) the local head, three SGDs (lr, momentum)."""
@@ -336,11 +368,7 @@ def official_loge_step(net, fixed_w, fixed_b, phi, x, y, lr, momentum):
     feats = net.backbone(x)
     F.cross_entropy(F.linear(feats, fixed_w, fixed_b), y).backward()
     opt_b.step()
-    F.cross_entropy(net.head(feats.detach()), y).backward()
-    opt_a.step()
-    F.cross_entropy(phi(feats.detach()), y).backward()
-    opt_l.step()
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}, phi.weight.detach().clone()
+    return official_heads(net, phi, feats, y, opt_a, opt_l)
 
 
 def test_fedloge_rela_round_relabels_then_trains_as_the_released_update(tmp_path):
@@ -364,21 +392,9 @@ def test_fedloge_rela_round_relabels_then_trains_as_the_released_update(tmp_path
     x, y = next(data.batches(256, None, shuffle=False, train=False))
     with torch.no_grad():
         q = torch.softmax(F.linear(ref.backbone(x), W, b), 1).double()
-    g2 = torch.Generator()
-    g2.set_state(probe)
-    u = torch.rand(q.shape, generator=g2, dtype=torch.float64)
-    rows = iter(u.numpy())
-    flags = official_relabel(q.numpy(), y.numpy(), C, 5.0, lambda _: next(rows))
-    assert flags, "nothing was re-labelled: the test would not test the plug-in"
-    y2 = y.clone()
-    for key, c in flags.items():
-        y2[int(key)] = int(c)
+    y2 = released_labels(q, y, probe)
     assert torch.equal(new_state["rela.labels"], y2)
-    phi = torch.nn.Linear(W.shape[1], C)
-    with torch.no_grad():
-        phi.weight.copy_(cstate["phi.weight"])
-        phi.bias.copy_(cstate["phi.bias"])
-    want, phi_w = official_loge_step(ref, W, b, phi, x, y2, 0.05 * 0.1, 0.5)
+    want, phi_w = official_loge_step(ref, W, b, local_head(cstate, W.shape[1]), x, y2, 0.05 * 0.1, 0.5)
     record("fedrela", "rela_lr_scale=0.1: FedLoGe local round after re-labelling (update_weights_gaux)",
            assert_close(reply.arrays, want, want))
     assert torch.allclose(new_state["phi.weight"], phi_w, atol=1e-6)
@@ -431,11 +447,8 @@ def official_etf_dr_step(net, M, phi, x, y, lr, momentum, epochs):
         loss = (1 / 2) * torch.mean(((dot - (M_length * H_length)) ** 2) / H_length)
         loss.backward()
         opt_b.step()
-        F.cross_entropy(net.head(feat.detach()), y).backward()
-        opt_a.step()
-        F.cross_entropy(phi(feat.detach()), y).backward()
-        opt_l.step()
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}, phi.weight.detach().clone()
+        out = official_heads(net, phi, feat, y, opt_a, opt_l)
+    return out
 
 
 def test_fedrela_on_the_released_etf_base_relabels_and_trains_as_fed_etf_py(tmp_path):
@@ -465,23 +478,11 @@ def test_fedrela_on_the_released_etf_base_relabels_and_trains_as_fed_etf_py(tmp_
         out = bn(ref.backbone(x))
         out = out / torch.clamp(torch.sqrt(torch.sum(out ** 2, dim=1, keepdims=True)), min=1e-8)
         q = torch.softmax(torch.matmul(out, M), 1).double()
-    g2 = torch.Generator()
-    g2.set_state(probe)
-    u = torch.rand(q.shape, generator=g2, dtype=torch.float64)
-    rows = iter(u.numpy())
-    flags = official_relabel(q.numpy(), y.numpy(), C, 5.0, lambda _: next(rows))
-    assert flags, "nothing was re-labelled: the test would not test the plug-in"
-    y2 = y.clone()
-    for key, c in flags.items():
-        y2[int(key)] = int(c)
+    y2 = released_labels(q, y, probe)
     record("fedrela", "etf base: re-labelling vs collect_Q(method='etf') + util/FedReLa.py: labels that differ, "
                       f"of {len(y)}", int((new_state["rela.labels"] != y2).sum()))
     assert torch.equal(new_state["rela.labels"], y2)
-    phi = torch.nn.Linear(W.shape[1], C)
-    with torch.no_grad():
-        phi.weight.copy_(cstate["phi.weight"])
-        phi.bias.copy_(cstate["phi.bias"])
-    want, phi_w = official_etf_dr_step(ref, M, phi, x, y2, 0.05 * 0.1, 0.5, 2)
+    want, phi_w = official_etf_dr_step(ref, M, local_head(cstate, W.shape[1]), x, y2, 0.05 * 0.1, 0.5, 2)
     record("fedrela", "etf base (backbone_loss=etf-dr fixed=etf): local round vs update_weights_etf",
            assert_close(reply.arrays, want, want))
     assert torch.allclose(new_state["phi.weight"], phi_w, atol=1e-6)
