@@ -488,6 +488,27 @@ def test_fedrela_on_the_released_etf_base_relabels_and_trains_as_fed_etf_py(tmp_
     assert torch.allclose(new_state["phi.weight"], phi_w, atol=1e-6)
 
 
+def test_the_etf_base_universal_prediction_is_globaltest_etfs(tmp_path):
+    """``globaltest_etf``: the backbone's features through ``g_head`` -- left in train mode there, so BN_H normalises
+    by the batch's statistics, its affine as the server holds it (1 and 0) -- then ``ori_M``; fedlt's "universal"
+    under ``backbone_loss=etf-dr``, on the batch it is given (the evaluation gives it the whole test set)."""
+    m = method("fedloge", backbone_loss="etf-dr", fixed="etf")
+    m.spec.cache_dir = str(tmp_path)
+    pred = m.global_model(m.init_server())["universal"]
+    x, _ = next(client({c: 6 for c in range(C)}, seed=9).batches(256, None, shuffle=False, train=False))
+    with torch.no_grad():
+        h = pred.backbone(x)
+        M = m.fixed_head()[0].T
+        g_head = torch.nn.BatchNorm1d(M.shape[0])  # ETF_Classifier's BN_H, in train mode
+        out = g_head(h)
+        out = out / torch.clamp(torch.sqrt(torch.sum(out ** 2, dim=1, keepdims=True)), min=1e-8)
+        want = torch.matmul(out, M)
+        got = pred.head(h)
+    gap = record("fedrela", "etf base: universal prediction vs globaltest_etf (logits)", (got - want).abs().max().item())
+    assert gap < 1e-6
+    assert not torch.equal(got.argmax(1), F.linear(h, M.T).argmax(1))  # not M h's: the batch's statistics matter
+
+
 def test_fedetf_rela_before_the_start_is_fedetf():
     data = client({0: 20, 3: 5, 8: 2}, seed=6)
     base, rela = method("fedetf", lr=0.05, pers_rounds=0), method("fedrela-etf", lr=0.05, pers_rounds=0, rela_start=5)

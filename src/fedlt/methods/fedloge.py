@@ -81,8 +81,11 @@ aggregated) and the L2 normalisation, by the dot-regression loss with per-batch 
     z = BN_batch(h; gamma, beta) (batches of one: z = h),   h^ = z / max(||z||, 1e-8)
     E_c = sqrt((B / |classes in the batch|) / n_c,batch) for a class in the batch, else 1   (``produce_Ew``)
     L = 1/2 mean_i (<h^_i, E_y m_y> - ||E_y m_y|| ||h^_i||)^2 / ||h^_i||   (``reg_dot_loss``, norms not differentiated)
-Its universal prediction, normalise(BN(h)) . M with the projector as the server holds it (its initial running
-statistics: the identity up to a scale), has the argmax of M h, which "universal" reports.
+Its universal prediction is M normalise(BN(h)), and the official evaluation (``globaltest_etf``) leaves ``g_head`` in
+train mode: BN takes the statistics of the test batch (of 100) it is given, its affine as the server holds it (1
+and 0). Here likewise, the batch being the whole balanced test set, which the evaluation hands the head at once: a
+test-time normalisation, the released code's, not a statistic the server has. (The re-labelling's Q, the official
+``collect_Q``, runs the projector in eval mode: its initial running statistics, the identity up to a scale.)
 
 Ablations (Table 3, App. A.10): ``fixed`` = sse-c | etf | xavier | gaussian | uniform | orthogonal |
 kaiming_uniform; ``beta`` (sparsity; None = the kind's default: 0.6 for sse-c, 0 for the rest); ``refine``
@@ -434,7 +437,10 @@ class FedLoGe(Method):
         if state.generic is not None:  # after the GA-FR phase
             modes["generic"] = Predictor(m.backbone, linear_head(state.generic["weight"], state.generic["bias"]),
                                          shared_backbone=True)
-        modes["universal"] = Predictor(m.backbone, linear_head(W, b), shared_backbone=True)
+        universal = linear_head(W, b)
+        if self.p.backbone_loss == "etf-dr":  # the official globaltest_etf: g_head left in train mode
+            universal = lambda h: F.linear(etf_features(h), W)  # noqa: E731
+        modes["universal"] = Predictor(m.backbone, universal, shared_backbone=True)
         modes["psi"] = Predictor(m.backbone, linear_head(psi_w, psi_b), shared_backbone=True)
         if state.generic is None and self.p.ga_fr and self.p.preview:
             modes["generic-preview"] = Predictor(m.backbone, linear_head(*self._generic(psi_w, psi_b)),
