@@ -279,7 +279,7 @@ def test_the_etf_dr_loss_is_zero_on_the_class_vector_and_half_the_squared_length
     """reg_dot_loss on one sample (the projector passes a batch of one through; E_y = 1): 0 when the feature points
     along m_y whatever its length, 1/2 when it is orthogonal to m_y; and the projector's outputs are unit vectors.
     (The per-batch scaling E is checked against the released produce_Ew in tests/test_official_2026.py.)"""
-    from fedlt.methods.fedloge import etf_dot_regression, etf_features
+    from fedlt.core.losses import etf_dot_regression, etf_features
 
     C, d = 4, 8
     M = torch.linalg.qr(torch.randn(d, C, generator=torch.Generator().manual_seed(0)))[0].T  # orthonormal rows

@@ -40,3 +40,31 @@ def linear_heads_ce(heads, y: torch.Tensor) -> torch.Tensor:
     b = torch.stack([c for _, _, c in heads])  # [H, C]
     logits = torch.baddbmm(b.unsqueeze(1), X, W.transpose(1, 2))  # [H, B, C]
     return F.cross_entropy(logits.flatten(0, 1), y.repeat(H), reduction="none").view(H, -1).mean(1)
+
+
+def etf_features(h: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 training: bool = True) -> torch.Tensor:
+    """The official ETF baseline's projector: BatchNorm (affine ``weight``, ``bias``) over the batch in training (a
+    batch of one passes through), else with the server's projector's statistics, its initial ones (mean 0,
+    variance 1); then L2 normalisation (norms floored at 1e-8)."""
+    if len(h) > 1:
+        stats = (None, None) if training else (h.new_zeros(h.shape[1]), h.new_ones(h.shape[1]))
+        h = F.batch_norm(h, *stats, weight, bias, training=training, eps=1e-5)
+    return h / h.norm(dim=1, keepdim=True).clamp_min(1e-8)
+
+
+def etf_dot_regression(h: torch.Tensor, y: torch.Tensor, M: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor) -> torch.Tensor:
+    """The official ``reg_dot_loss`` on ``produce_Ew``'s per-batch class scaling (fedlt.methods.fedloge's ``backbone_loss=etf-dr``): ``M`` [C, d]
+    the fixed ETF's class vectors."""
+    hn = etf_features(h, weight, bias)
+    counts = (y[:, None] == torch.arange(M.shape[0], device=y.device)).sum(0).to(h.dtype)  # vmap-able, as batched
+    # clients run (torch.unique and F.one_hot read values)
+    present = counts > 0
+    gamma = len(y) / present.sum().to(h.dtype)  # B / the classes in the batch
+    scale = torch.where(present, torch.sqrt(gamma / counts.clamp_min(1)), torch.ones_like(counts))
+    target = M[y] * scale[y, None]
+    dot = (hn * target).sum(1)
+    with torch.no_grad():
+        m_len, h_len = target.norm(dim=1), hn.norm(dim=1).clamp_min(1e-8)
+    return 0.5 * ((dot - m_len * h_len) ** 2 / h_len).mean()

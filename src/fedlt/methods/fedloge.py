@@ -108,7 +108,7 @@ import torch.nn.functional as F
 
 from ..core import LocalSteps, Message, Meter, Method, Predictor, Train, derive_seed, load_weights
 from ..core.etf import KINDS, PRECISIONS, SSE_LR, SSE_PRECISION, SSE_STEPS, cached_fixed_classifier, etf_report
-from ..core.losses import linear_heads_ce, masked_logits
+from ..core.losses import etf_dot_regression, etf_features, linear_heads_ce, masked_logits
 from ..core.personal import personal_net
 from ..core.privacy import MODEL, sent, sends_with
 from ..decl import setting
@@ -137,34 +137,6 @@ def linear_head(weight: torch.Tensor, bias: torch.Tensor, present=None):
     if present is None:
         return lambda h: F.linear(h, weight, bias)
     return lambda h: masked_logits(F.linear(h, weight, bias), present, float("-inf"))
-
-
-def etf_features(h: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 training: bool = True) -> torch.Tensor:
-    """The official ETF baseline's projector: BatchNorm (affine ``weight``, ``bias``) over the batch in training (a
-    batch of one passes through), else with the server's projector's statistics, its initial ones (mean 0,
-    variance 1); then L2 normalisation (norms floored at 1e-8)."""
-    if len(h) > 1:
-        stats = (None, None) if training else (h.new_zeros(h.shape[1]), h.new_ones(h.shape[1]))
-        h = F.batch_norm(h, *stats, weight, bias, training=training, eps=1e-5)
-    return h / h.norm(dim=1, keepdim=True).clamp_min(1e-8)
-
-
-def etf_dot_regression(h: torch.Tensor, y: torch.Tensor, M: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor) -> torch.Tensor:
-    """The official ``reg_dot_loss`` on ``produce_Ew``'s per-batch class scaling (see the method's doc): ``M`` [C, d]
-    the fixed ETF's class vectors."""
-    hn = etf_features(h, weight, bias)
-    counts = (y[:, None] == torch.arange(M.shape[0], device=y.device)).sum(0).to(h.dtype)  # vmap-able, as batched
-    # clients run (torch.unique and F.one_hot read values)
-    present = counts > 0
-    gamma = len(y) / present.sum().to(h.dtype)  # B / the classes in the batch
-    scale = torch.where(present, torch.sqrt(gamma / counts.clamp_min(1)), torch.ones_like(counts))
-    target = M[y] * scale[y, None]
-    dot = (hn * target).sum(1)
-    with torch.no_grad():
-        m_len, h_len = target.norm(dim=1), hn.norm(dim=1).clamp_min(1e-8)
-    return 0.5 * ((dot - m_len * h_len) ** 2 / h_len).mean()
 
 
 @METHODS.register("fedloge")

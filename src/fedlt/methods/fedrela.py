@@ -65,11 +65,12 @@ import torch
 import torch.nn.functional as F
 
 from ..core import Message, load_weights
+from ..core.losses import etf_features
 from ..core.personal import personal_net
 from ..decl import setting
 from ..registry import METHODS
 from .fedetf import FedETF
-from .fedloge import FedLoGe, etf_features
+from .fedloge import FedLoGe
 
 ROUND = "rela.round"  # the training round, in the payload's meta (the clients need it to know when to start)
 LABELS = "rela.labels"  # the client's re-labelled training labels, in its state
