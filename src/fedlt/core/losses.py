@@ -55,8 +55,8 @@ def etf_features(h: torch.Tensor, weight: torch.Tensor | None = None, bias: torc
 
 def etf_dot_regression(h: torch.Tensor, y: torch.Tensor, M: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor) -> torch.Tensor:
-    """The official ``reg_dot_loss`` on ``produce_Ew``'s per-batch class scaling (fedlt.methods.fedloge's ``backbone_loss=etf-dr``): ``M`` [C, d]
-    the fixed ETF's class vectors."""
+    """The official ``reg_dot_loss`` on ``produce_Ew``'s per-batch class scaling (fedlt.methods.fedloge's
+    ``backbone_loss=etf-dr``): ``M`` [C, d] the fixed ETF's class vectors."""
     hn = etf_features(h, weight, bias)
     counts = (y[:, None] == torch.arange(M.shape[0], device=y.device)).sum(0).to(h.dtype)  # vmap-able, as batched
     # clients run (torch.unique and F.one_hot read values)

@@ -75,9 +75,9 @@ phi_k^(0)                  unspecified                                  an indep
 =========================  ===========================================  ============================================
 
 The official code's ETF baseline (``backbone_loss=etf-dr``, with ``--set fixed=etf``: a dense ETF, no bias): psi and
-phi_k as above, theta through a BatchNorm projector (affine gamma = 1, beta = 0 at the start of every round, trained with
-theta by the same SGD, never sent: the official ``g_head`` is copied from the server's every round and never
-aggregated) and the L2 normalisation, by the dot-regression loss with per-batch class scaling:
+phi_k as above, theta through a BatchNorm projector (affine gamma = 1, beta = 0 at the start of every round,
+trained with theta by the same SGD, never sent: the official ``g_head`` is copied from the server's every round and
+never aggregated) and the L2 normalisation, by the dot-regression loss with per-batch class scaling:
     z = BN_batch(h; gamma, beta) (batches of one: z = h),   h^ = z / max(||z||, 1e-8)
     E_c = sqrt((B / |classes in the batch|) / n_c,batch) for a class in the batch, else 1   (``produce_Ew``)
     L = 1/2 mean_i (<h^_i, E_y m_y> - ||E_y m_y|| ||h^_i||)^2 / ||h^_i||   (``reg_dot_loss``, norms not differentiated)
