@@ -318,32 +318,24 @@ class FedLoGe(Method):
         momentum = {k: cstate[f"phi.momentum.{k[4:]}"] for k in ("phi.weight", "phi.bias")
                     if self.p.persist_phi_momentum and f"phi.momentum.{k[4:]}" in cstate}
         train = (Train("backbone."), Train("head.", head_lr, head_mom), Train("phi.", head_lr, head_mom))
-        loss = self.stage1_loss
         if self.p.backbone_loss == "etf-dr":  # the projector: fresh each round, trained with theta, never sent
             d = W.shape[1]
             extra.update({"proj.weight": torch.ones(d, device=W.device), "proj.bias": torch.zeros(d, device=W.device)})
-            train, loss = (*train, Train("proj.")), self.etf_dr_loss
-        return LocalSteps(payload.arrays, loss, extra=extra, momentum=momentum, train=train)
+            train = (*train, Train("proj."))
+        return LocalSteps(payload.arrays, self.stage1_loss, extra=extra, momentum=momentum, train=train)
 
     @staticmethod
     def stage1_loss(model, x, y, extra):
         h = model.backbone(x)
         hd = h.detach()
-        losses = linear_heads_ce([(h, extra["fixed.weight"], extra["fixed.bias"]),  # theta through the SSE-C
-                                  (hd, model.params["head.weight"], model.params["head.bias"]),  # psi, detached
-                                  (hd, extra["phi.weight"], extra["phi.bias"])], y)  # phi_k, detached
+        heads = [(hd, model.params["head.weight"], model.params["head.bias"]),  # psi, detached
+                 (hd, extra["phi.weight"], extra["phi.bias"])]  # phi_k, detached
+        if "proj.weight" in extra:  # backbone_loss=etf-dr: theta by dot regression through the projector
+            theta = etf_dot_regression(h, y, extra["fixed.weight"], extra["proj.weight"], extra["proj.bias"])
+            losses = torch.cat([theta[None], linear_heads_ce(heads, y)])
+        else:  # theta through the SSE-C
+            losses = linear_heads_ce([(h, extra["fixed.weight"], extra["fixed.bias"]), *heads], y)
         return losses.sum(), {"loss": losses[0], "loss_psi": losses[1], "loss_phi": losses[2]}
-
-    @staticmethod
-    def etf_dr_loss(model, x, y, extra):
-        """``backbone_loss=etf-dr``: theta by dot regression through the projector onto the fixed ETF, psi and phi_k
-        by CE on the detached features, as in :meth:`stage1_loss`."""
-        h = model.backbone(x)
-        hd = h.detach()
-        dr = etf_dot_regression(h, y, extra["fixed.weight"], extra["proj.weight"], extra["proj.bias"])
-        heads = linear_heads_ce([(hd, model.params["head.weight"], model.params["head.bias"]),
-                                 (hd, extra["phi.weight"], extra["phi.bias"])], y)
-        return dr + heads.sum(), {"loss": dr, "loss_psi": heads[0], "loss_phi": heads[1]}
 
     def local_reply(self, payload, cstate, data, out):
         """Reply {theta, psi}; phi_k (and, with persist_phi_momentum, its momentum) stays on the client."""
