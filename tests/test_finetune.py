@@ -309,8 +309,7 @@ def test_a_supernodes_own_data_is_encoded_under_head(vit, tmp_path):
 
 def _attention(net) -> set:
     """How the Hugging Face models a fedlt model runs attend (its LoRA backbone's shared base too)."""
-    roots = [net, *(s for m in net.modules() for s in getattr(m, "shared_modules", tuple)())]
-    return {m.config._attn_implementation for r in roots for m in r.modules() if hasattr(m, "set_attn_implementation")}
+    return {m.config._attn_implementation for m in finetune.run_modules(net) if hasattr(m, "set_attn_implementation")}
 
 
 def test_dp_sgd_runs_hf_attention_eager_and_gives_the_shared_backbone_back_as_it_was(vit):

@@ -68,6 +68,7 @@ from ..seeds import Purpose
 from .dp import ACCOUNTANTS, reads_counts
 from .dpsgd_accounts import SampleAccounts, batches_per_epoch, composed, delta_refusal, epsilon_of, sample_delta
 from .dpsgd_wire import SampleWire, phase_replies
+from .finetune import run_modules
 from .noise import NOISE_SEEDS, keyed_seed
 from .privacy import ROUNDS
 from .steps import LocalSteps, StepModel, StepRun, Trained, frozen_net, split_loss, stats_of
@@ -194,8 +195,7 @@ def eager_attention(*nets: torch.nn.Module):
     have not yet implemented the batching rule"), while eager attention batches like any layer. The same function to
     float rounding (``benchmarks/dp_attention.py`` measures both); restored after, as the backbone is shared by
     every model of the process (:func:`fedlt.core.finetune.shared_backbone`). Yields the models it switched."""
-    roots = [*nets, *(s for net in nets for m in net.modules() for s in getattr(m, "shared_modules", tuple)())]
-    switched = [m for root in roots for m in root.modules()
+    switched = [m for net in nets for m in run_modules(net)
                 if hasattr(m, "set_attn_implementation")
                 and getattr(getattr(m, "config", None), "_attn_implementation", None) == "sdpa"]
     for m in switched:

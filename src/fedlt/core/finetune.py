@@ -194,6 +194,15 @@ def _base_key(spec) -> tuple:
             getattr(spec, "pretrained_size", None), str(spec.data.get("input_mean")), str(spec.data.get("input_std")))
 
 
+def run_modules(net: nn.Module):
+    """Every module ``net`` runs: its own, and those of the trees it runs without holding them (a
+    :class:`LoraBackbone`'s shared base, ``shared_modules``)."""
+    yield from net.modules()
+    for m in list(net.modules()):
+        for shared in getattr(m, "shared_modules", tuple)():
+            yield from shared.modules()
+
+
 def shared_backbone(spec) -> Frozen:
     """This process's frozen backbone for ``spec``: built on first use, then the same object."""
     return _cached(_base_key(spec), lambda: _load(spec))
